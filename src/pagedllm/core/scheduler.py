@@ -1,0 +1,237 @@
+"""Continuous-batching scheduler (vLLM v1 style): one token budget per step, no phases.
+
+Each step, running requests are served first (a decode needs one token, an unfinished prefill
+its next chunk), then waiting ones are admitted in arrival order while the budget, the
+sequence cap and the KV pool allow. When blocks run out the newest running request is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+from its prompt *and* the output it already has.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions `start_pos...`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    # the chunk reaches the request's last known token: sample the next one
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner produced for a step: the sampled token of each request that
+    was sampled."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+        assert cache.num_kv_blocks is not None
+        self.config = config
+        self.kv = KVCacheManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # --- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_tokens, request.sampling_params.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Reject what could never be served: empty prompts, prompts or generations beyond the
+        context length, and requests that would not fit the whole KV pool on their own."""
+        max_len = self.config.max_model_len
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens; the model's context is "
+                f"{max_len} tokens, with at least one for output"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {max_len} tokens"
+            )
+        total = min(max_len, num_prompt_tokens + (max_tokens or max_len))
+        if self.kv.num_blocks_for(total) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"a request of {total} tokens needs {self.kv.num_blocks_for(total)} KV blocks; "
+                f"the pool has {self.kv.pool.num_blocks}"
+            )
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is and free its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- the step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    return budget
+            self._schedule(out, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.get_computed_blocks(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                num_new = budget
+            if not self.kv.allocate_slots(request, num_new, cached):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            self.running.append(request)
+            self._schedule(out, request, num_new)
+            budget -= num_new
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start : start + num_new],
+                start_pos=start,
+                block_ids=self.kv.block_ids(request.request_id),
+                sample=request.num_computed_tokens == request.num_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Append sampled tokens, finish what must stop; return the requests that changed."""
+        changed = []
+        for s in out.scheduled:
+            request = self.requests.get(s.request_id)
+            # aborted (or preempted and rescheduled) since the step was scheduled
+            if request is None or not s.sample or request.status != RequestStatus.RUNNING:
+                continue
+            token_id = result.sampled_token_ids[s.request_id]
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            changed.append(request)
+        return changed
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in request.eos_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests for a reason found outside the scheduler (e.g. a stop string)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        assert set(self.kv.req_blocks) <= {r.request_id for r in self.running}, (
+            "a request that is not running holds blocks"
+        )
+        assert len(self.running) + len(self.waiting) == len(self.requests)

@@ -1,0 +1,3 @@
+from pagedllm.engine.llm_engine import LLMEngine
+
+__all__ = ["LLMEngine"]

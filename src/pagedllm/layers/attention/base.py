@@ -1,0 +1,45 @@
+"""What every attention backend receives: one flattened batch per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class StepInputs:
+    """A step's batch, flattened: the first `num_decodes` requests have one new token each
+    (decodes); the rest are prefill chunks. N = total new tokens, R = requests."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    slot_mapping: torch.Tensor  # (N,) int64: KV-cache slot (block * block_size + offset)
+    query_start_loc: list[int]  # (R + 1,): request r's tokens are [loc[r], loc[r+1])
+    context_lens: list[int]  # (R,): tokens in the cache after this step (prefix + new)
+    block_tables: torch.Tensor  # (R, max_blocks) int64, padded with 0
+    num_decodes: int
+    logits_indices: torch.Tensor  # (S,) int64: tokens whose next token is sampled
+    block_size: int
+    sliding_window: int | None = None
+
+
+class AttentionBackend(Protocol):
+    """Writes the new keys/values into the paged cache, then attends over it."""
+
+    def build_metadata(self, step: StepInputs) -> Any:
+        """Per-step tensors shared by every layer (built once per step)."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (N, num_heads, head_dim)
+        k: torch.Tensor,  # (N, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (N, num_kv_heads, head_dim)
+        k_cache: torch.Tensor,  # (num_blocks * block_size, num_kv_heads, head_dim)
+        v_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:  # (N, num_heads, head_dim)
+        ...

@@ -1,0 +1,3 @@
+from pagedllm.text.tokenizer import Tokenizer
+
+__all__ = ["Tokenizer"]

@@ -1,0 +1,120 @@
+"""Builders shared by the tests: tiny random HF checkpoints (saved with `transformers`) and
+a small byte-level BPE tokenizer trained on the spot."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time, in a city far away, there lived a curious engineer.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests at every step of the engine.",
+    "Bonjour, ça va? Très bien, merci. Grüße aus Köln! 東京は晴れです。 😀🚀",
+] * 20
+
+TINY = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+)
+
+ARCHS: dict[str, dict[str, Any]] = {
+    # GQA 2:1, untied, llama3 rope scaling
+    "llama": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        tie_word_embeddings=False,
+    ),
+    # q/k/v bias, tied embeddings, no GQA
+    "qwen2": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    # sliding window shorter than the longest test sequences, GQA 4:1
+    "mistral": dict(num_key_value_heads=1, sliding_window=24, tie_word_embeddings=False),
+}
+
+
+def build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY["vocab_size"] - 16,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+
+
+def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random `arch` checkpoint (fp32 safetensors + tokenizer) to `path`."""
+    import transformers
+
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    config = cls[0](**{**TINY, **ARCHS[arch], **overrides})
+    model = cls[1](config).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path)
+    return path
+
+
+def hf_model(path: Path) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
+    """The oracle: HF greedy generate, one prompt at a time (no padding effects)."""
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=1,
+            )
+        outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
+def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: make_checkpoint(root / arch, arch) for arch in ARCHS}
