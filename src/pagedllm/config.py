@@ -96,6 +96,13 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def context_length(self) -> int:
+        """`linear` and `dynamic` rope scaling stretch the trained context by their factor."""
+        if self.rope.type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * self.rope.factor)
+        return self.max_position_embeddings
+
     @staticmethod
     def from_model_dir(model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir)
@@ -209,12 +216,10 @@ class EngineConfig:
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs."""
         model = ModelConfig.from_model_dir(model_dir)
-        model_len = max_model_len or model.max_position_embeddings
-        if model_len > model.max_position_embeddings and model.rope.type == "default":
-            raise ConfigError(
-                f"max_model_len {model_len} exceeds the model's context "
-                f"({model.max_position_embeddings})"
-            )
+        context = model.context_length
+        model_len = max_model_len or context
+        if model_len > context:
+            raise ConfigError(f"max_model_len {model_len} exceeds the model's context ({context})")
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         if num_kv_blocks is None:
             # enough for every sequence at full length, capped by the memory budget

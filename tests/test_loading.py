@@ -1,0 +1,234 @@
+"""Checkpoint loading: sharded weights, dtypes, rope scalings vs transformers, and the errors a
+user gets for a model directory that cannot be served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY, hf_greedy, hf_model, make_checkpoint, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ConfigError, ModelConfig, RopeConfig
+from pagedllm.model.rope import rope_cos_sin
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=n, ignore_eos=True),
+        use_tqdm=False,
+    )
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"])
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    shutil.copy(checkpoints["llama"] / "tokenizer.json", sharded)
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    prompts = random_prompts(3, (5, 20), TINY["vocab_size"], seed=11)
+    assert greedy(LLM(str(sharded)), prompts, 8) == greedy(LLM(str(checkpoints["llama"])), prompts, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes_load_and_mostly_agree(dtype: torch.dtype, checkpoints: dict[str, Path]) -> None:
+    llm = LLM(str(checkpoints["qwen2"]), dtype=str(dtype).removeprefix("torch."))
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == dtype
+    assert llm.engine.runner.kv_caches[0][0].dtype == dtype
+    prompts = random_prompts(4, (5, 20), TINY["vocab_size"], seed=12)
+    fp32 = greedy(LLM(str(checkpoints["qwen2"]), dtype="float32"), prompts, 6)
+    half = greedy(llm, prompts, 6)
+    # low precision may flip a near-tie late on; the first tokens must agree
+    assert [h[0] for h in half] == [f[0] for f in fp32]
+
+
+def test_auto_dtype_follows_checkpoint(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    cfg.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert LLM(str(path)).engine.config.dtype == torch.bfloat16
+    assert LLM(str(path), dtype="float32").engine.config.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 32},
+        {"rope_type": "default"},
+    ],
+)
+def test_rope_tables_match_transformers(rope: dict) -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.LlamaConfig(
+        **{**TINY, "max_position_embeddings": 64}, rope_scaling={**rope, "rope_theta": 5000.0}
+    )
+    cfg = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    assert cfg.rope.type == rope["rope_type"] and cfg.rope.theta == 5000.0
+    head_dim = cfg.head_dim
+    cos, sin = rope_cos_sin(cfg.rope, head_dim, 64, 200)
+    for pos in (0, 1, 17, 63, 64, 100, 199):
+        if rope["rope_type"] == "default":
+            inv = 1.0 / (5000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        else:
+            inv, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg, None, seq_len=pos + 1)
+        torch.testing.assert_close(cos[pos], (pos * inv).cos(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sin[pos], (pos * inv).sin(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
+def test_scaled_rope_parity_past_trained_context(tmp_path: Path, rope_type: str) -> None:
+    path = make_checkpoint(
+        tmp_path / rope_type, "llama", max_position_embeddings=32,
+        rope_scaling={"rope_type": rope_type, "factor": 2.0},
+    )
+    llm = LLM(str(path))
+    assert llm.engine.config.scheduler.max_model_len == 64  # stretched by the factor
+    prompts = random_prompts(4, (10, 28), TINY["vocab_size"], seed=13)
+    # prompts within the trained context, generation well past it
+    assert greedy(llm, prompts, 30) == hf_greedy(hf_model(path), prompts, 30, eos=None)
+
+
+def test_generation_config_eos(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    prompts = random_prompts(6, (5, 30), TINY["vocab_size"], seed=14)
+    free_run = greedy(LLM(str(path)), prompts, 20)
+    eos = free_run[0][2]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, eos]}))
+    llm = LLM(str(path))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=20), use_tqdm=False
+    )
+    assert outs[0].outputs[0].token_ids == free_run[0][:3]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    for out, ref in zip(outs, free_run, strict=True):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert out.outputs[0].token_ids == ref[:cut]
+    # ignore_eos runs to max_tokens
+    assert greedy(llm, prompts[:1], 20) == free_run[:1]
+
+
+def test_text_prompt_and_output_text(checkpoints: dict[str, Path]) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
+    llm = LLM(str(checkpoints["llama"]))
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=10, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt == "Once upon a time"
+    assert out.prompt_token_ids == tok.encode("Once upon a time").ids
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def test_unknown_architecture(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(path))
+
+
+def test_missing_directory_and_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"missing config\.json"):
+        LLM(str(tmp_path / "empty"))
+
+
+def test_missing_weights(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"pickle is never loaded")
+    with pytest.raises(ConfigError, match=r"no \*\.safetensors weights"):
+        LLM(str(path))
+
+
+def test_missing_tensor(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"missing 1 tensors: layers\.1\.self_attn\.qkv_proj"):
+        LLM(str(path))
+
+
+def test_corrupt_weights(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="cannot read weights"):
+        LLM(str(path))
+
+
+def test_wrong_shape(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    path = copy_ckpt(checkpoints["llama"], tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="has shape"):
+        LLM(str(path))
+
+
+def test_bad_dtype_and_rope(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="unsupported dtype"):
+        LLM(str(checkpoints["llama"]), dtype="int8")
+    with pytest.raises(ConfigError, match="rope scaling type 'yarn'"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_prompt_errors(checkpoints: dict[str, Path]) -> None:
+    llm = LLM(str(checkpoints["llama"]), max_model_len=64)
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate({"prompt_token_ids": []}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("", params, use_tqdm=False)
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 64}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 384\)"):
+        llm.generate({"prompt_token_ids": [5, 384]}, params, use_tqdm=False)
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        LLM(str(checkpoints["llama"]), max_model_len=10_000)
+    # a failed batch leaves nothing behind, and the engine still works
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], params,
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert len(greedy(llm, [[5, 6, 7]], 4)[0]) == 4
+
+
+def test_sampling_params_validation() -> None:
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature must be non-negative"):
+        SamplingParams(temperature=-1.0)
