@@ -92,7 +92,9 @@ def hf_model(path: Path) -> Any:
     ).eval()
 
 
-def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
+def hf_greedy(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, eos: int | None
+) -> list[list[int]]:
     """The oracle: HF greedy generate, one prompt at a time (no padding effects)."""
     outs = []
     for p in prompts:

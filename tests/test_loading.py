@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, hf_greedy, hf_model, make_checkpoint, random_prompts
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY, hf_greedy, hf_model, make_checkpoint, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError, ModelConfig, RopeConfig
 from pagedllm.model.rope import rope_cos_sin
@@ -41,11 +41,15 @@ def test_sharded_checkpoint(tmp_path: Path, checkpoints: dict[str, Path]) -> Non
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     prompts = random_prompts(3, (5, 20), TINY["vocab_size"], seed=11)
-    assert greedy(LLM(str(sharded)), prompts, 8) == greedy(LLM(str(checkpoints["llama"])), prompts, 8)
+    assert greedy(LLM(str(sharded)), prompts, 8) == greedy(
+        LLM(str(checkpoints["llama"])), prompts, 8
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_dtypes_load_and_mostly_agree(dtype: torch.dtype, checkpoints: dict[str, Path]) -> None:
+def test_half_dtypes_load_and_mostly_agree(
+    dtype: torch.dtype, checkpoints: dict[str, Path]
+) -> None:
     llm = LLM(str(checkpoints["qwen2"]), dtype=str(dtype).removeprefix("torch."))
     assert llm.engine.runner.model.embed_tokens.weight.dtype == dtype
     assert llm.engine.runner.kv_caches[0][0].dtype == dtype
@@ -71,8 +75,13 @@ def test_auto_dtype_follows_checkpoint(tmp_path: Path, checkpoints: dict[str, Pa
     [
         {"rope_type": "linear", "factor": 2.0},
         {"rope_type": "dynamic", "factor": 2.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 32},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
         {"rope_type": "default"},
     ],
 )
@@ -99,7 +108,9 @@ def test_rope_tables_match_transformers(rope: dict) -> None:
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
 def test_scaled_rope_parity_past_trained_context(tmp_path: Path, rope_type: str) -> None:
     path = make_checkpoint(
-        tmp_path / rope_type, "llama", max_position_embeddings=32,
+        tmp_path / rope_type,
+        "llama",
+        max_position_embeddings=32,
         rope_scaling={"rope_type": rope_type, "factor": 2.0},
     )
     llm = LLM(str(path))
@@ -133,8 +144,9 @@ def test_text_prompt_and_output_text(checkpoints: dict[str, Path]) -> None:
 
     tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
     llm = LLM(str(checkpoints["llama"]))
-    out = llm.generate("Once upon a time", SamplingParams(max_tokens=10, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "Once upon a time", SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
     assert out.prompt == "Once upon a time"
     assert out.prompt_token_ids == tok.encode("Once upon a time").ids
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
@@ -149,7 +161,7 @@ def test_unknown_architecture(tmp_path: Path, checkpoints: dict[str, Path]) -> N
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ConfigError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         LLM(str(path))
 
 
@@ -212,16 +224,16 @@ def test_prompt_errors(checkpoints: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="context is 64 tokens"):
         llm.generate({"prompt_token_ids": [5] * 64}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10),
-                     use_tqdm=False)
+        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 384\)"):
         llm.generate({"prompt_token_ids": [5, 384]}, params, use_tqdm=False)
     with pytest.raises(ConfigError, match="exceeds the model's context"):
         LLM(str(checkpoints["llama"]), max_model_len=10_000)
     # a failed batch leaves nothing behind, and the engine still works
     with pytest.raises(ValueError):
-        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], params,
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], params, use_tqdm=False
+        )
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
     assert len(greedy(llm, [[5, 6, 7]], 4)[0]) == 4

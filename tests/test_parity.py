@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import ARCHS, TINY, hf_greedy, hf_model, random_prompts
+
 from pagedllm import LLM, SamplingParams
 
 MAX_NEW = 24
@@ -44,7 +44,7 @@ def test_chunked_prefill(arch: str, checkpoints: dict[str, Path], oracle: dict) 
     prompts = random_prompts(8, (20, 90), TINY["vocab_size"], seed=2)
     # a budget far below the prompt lengths: every prompt is split over several steps,
     # and decodes share steps with other requests' chunks
-    llm, got = run(checkpoints[arch], prompts, max_num_batched_tokens=13, block_size=8)
+    _, got = run(checkpoints[arch], prompts, max_num_batched_tokens=13, block_size=8)
     assert got == hf_greedy(oracle[arch], prompts, MAX_NEW, eos=None)
 
 
@@ -78,8 +78,12 @@ def test_preemption(arch: str, checkpoints: dict[str, Path], oracle: dict) -> No
 def test_preemption_without_prefix_cache(checkpoints: dict[str, Path], oracle: dict) -> None:
     prompts = random_prompts(8, (10, 40), TINY["vocab_size"], seed=6)
     llm, got = run(
-        checkpoints["llama"], prompts, block_size=4, num_kv_blocks=24,
-        enable_prefix_caching=False, max_num_batched_tokens=16,
+        checkpoints["llama"],
+        prompts,
+        block_size=4,
+        num_kv_blocks=24,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=16,
     )
     assert llm.engine.stats().num_preemptions > 0
     assert got == hf_greedy(oracle["llama"], prompts, MAX_NEW, eos=None)

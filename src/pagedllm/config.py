@@ -225,7 +225,11 @@ class EngineConfig:
             # enough for every sequence at full length, capped by the memory budget
             per_seq = -(-model_len // block_size)
             bytes_per_block = (
-                2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim
+                2
+                * model.num_layers
+                * block_size
+                * model.num_kv_heads
+                * model.head_dim
                 * torch_dtype.itemsize
             )
             num_kv_blocks = max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))

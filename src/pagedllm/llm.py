@@ -58,7 +58,7 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
-    def get_tokenizer(self):  # noqa: ANN201 - pagedllm.text.Tokenizer
+    def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(
@@ -70,8 +70,8 @@ class LLM:
         """Outputs in the order of `prompts`. A prompt that cannot run raises ValueError
         before anything is generated."""
         if isinstance(prompts, str | dict):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -80,9 +80,7 @@ class LLM:
             else list(sampling_params)
         )
         if len(params) != len(prompts):
-            raise ValueError(
-                f"got {len(params)} sampling params for {len(prompts)} prompts"
-            )
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 

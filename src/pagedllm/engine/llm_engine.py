@@ -52,9 +52,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         eos = frozenset(self.config.model.eos_token_ids)
-        request = Request(
-            request_id, token_ids, params, eos, arrival_time or time.monotonic()
-        )
+        request = Request(request_id, token_ids, params, eos, arrival_time or time.monotonic())
         self.scheduler.add_request(request)
         self._prompts[request_id] = text
 

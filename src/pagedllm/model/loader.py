@@ -69,7 +69,9 @@ def _target(name: str) -> tuple[str, int | None] | None:
     return name, None
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str
+) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -122,7 +124,9 @@ def _check_complete(
         shards: list[int | None] = (
             list(range(len(shard_sizes[fused]))) if fused in shard_sizes else [None]
         )
-        missing += [f"{name}[{s}]" if s is not None else name for s in shards if (name, s) not in loaded]
+        missing += [
+            f"{name}[{s}]" if s is not None else name for s in shards if (name, s) not in loaded
+        ]
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ConfigError(f"the checkpoint is missing {len(missing)} tensors: {shown}")

@@ -13,8 +13,16 @@ from pagedllm.config import ConfigError
 def clean_up_tokenization(text: str) -> str:
     """transformers' `clean_up_tokenization` (applied when the tokenizer config asks for it)."""
     for before, after in (
-        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-        (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
     ):
         text = text.replace(before, after)
     return text

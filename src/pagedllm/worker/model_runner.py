@@ -33,7 +33,9 @@ class ModelRunner:
             for _ in range(mcfg.num_layers)
         ]
         cos, sin = rope_cos_sin(
-            mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings,
+            mcfg.rope,
+            mcfg.head_dim,
+            mcfg.max_position_embeddings,
             config.scheduler.max_model_len,
         )
         self.cos = cos.to(device=self.device, dtype=config.dtype)
@@ -85,7 +87,9 @@ class ModelRunner:
         step = self.prepare_inputs(batch)
         cos = self.cos[step.positions].unsqueeze(1)
         sin = self.sin[step.positions].unsqueeze(1)
-        ctx = ForwardContext(cos, sin, self.kv_caches, self.backend, self.backend.build_metadata(step))
+        ctx = ForwardContext(
+            cos, sin, self.kv_caches, self.backend, self.backend.build_metadata(step)
+        )
         logits = self.model(step.input_ids, ctx, step.logits_indices)
         sampled = logits.argmax(dim=-1).tolist()
         ids = [s.request_id for s in batch if s.sample]

