@@ -47,9 +47,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every attempt of a request that waits)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock] = ()

@@ -91,11 +91,12 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {max_len} tokens"
             )
-        total = min(max_len, num_prompt_tokens + (max_tokens or max_len))
+        # the last sampled token is never fed back: its KV is never written
+        total = min(max_len, num_prompt_tokens + (max_tokens or max_len)) - 1
         if self.kv.num_blocks_for(total) > self.kv.pool.num_blocks:
             raise ValueError(
-                f"a request of {total} tokens needs {self.kv.num_blocks_for(total)} KV blocks; "
-                f"the pool has {self.kv.pool.num_blocks}"
+                f"a request of {total + 1} tokens needs {self.kv.num_blocks_for(total)} KV "
+                f"blocks; the pool has {self.kv.pool.num_blocks}"
             )
 
     def abort(self, request_id: str) -> Request | None:
@@ -155,9 +156,11 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached):
                 return
             self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resumption
+                request.num_cached_tokens = num_cached
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
-            request.num_cached_tokens = num_cached
             self.running.append(request)
             self._schedule(out, request, num_new)
             budget -= num_new
