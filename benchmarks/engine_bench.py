@@ -148,7 +148,7 @@ def decode_vs_linear_chain(model: str, dtype: str, batch: int, ctx: int, iters: 
     m = eng.runner.model
     linears = [
         lin
-        for layer in m.layers
+        for layer in m.decoder_layers()
         for lin in (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,

@@ -1,12 +1,20 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flattened batch of tokens.
 
-Weights of q/k/v and of gate/up are fused into one matmul each; the loader fills the fused
-tensors from the HF checkpoint's separate ones.
+The modules only hold parameters (named as the loader expects); the forward pass is plain
+functions over per-layer weight tuples, which spares the per-module call overhead that
+dominates small-batch decoding on a CPU.
+
+NOTE: two layout choices differ from the HF checkpoint, both made by the loader:
+- q/k/v and gate/up weights are fused into one matmul each;
+- the rows of q and k are permuted within each head from the half-split rotary layout
+  (pairs i, i + head_dim/2) to the interleaved one (pairs 2i, 2i+1), so the rotation is one
+  complex multiply. Attention scores are dot products of q and k, unchanged by a permutation
+  applied to both; the KV cache stores keys in the permuted order.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +22,6 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -23,46 +30,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # as transformers: normalize in fp32, scale in the model dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = ctx.kv_caches[layer]
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, cfg.o_bias)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -73,27 +55,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+class LayerWeights(NamedTuple):
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
 
 
-class ForwardContext:
-    """Everything a step's layers share: rotary tables for the batch's positions, the KV
-    caches, the attention backend and its per-step metadata."""
+class ForwardContext(NamedTuple):
+    """Everything a step's layers share: the rotation of each token (complex, (N, 1, hd/2)),
+    the KV caches, the attention backend and its per-step metadata."""
 
-    def __init__(
-        self,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        backend: AttentionBackend,
-        attn_metadata: Any,
-    ) -> None:
-        self.cos, self.sin = cos, sin  # (N, 1, head_dim / 2)
-        self.kv_caches = kv_caches
-        self.backend = backend
-        self.attn_metadata = attn_metadata
+    rotary: torch.Tensor
+    kv_caches: list[torch.Tensor]
+    backend: AttentionBackend
+    attn_metadata: Any
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,13 +89,56 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._weights: list[LayerWeights] = []
+
+    def finalize_weights(self) -> None:
+        """Snapshot the per-layer weight tuples the forward pass uses (after loading)."""
+        self._weights = [
+            LayerWeights(
+                l.input_layernorm.weight,
+                l.self_attn.qkv_proj.weight,
+                l.self_attn.qkv_proj.bias,
+                l.self_attn.o_proj.weight,
+                l.self_attn.o_proj.bias,
+                l.post_attention_layernorm.weight,
+                l.mlp.gate_up_proj.weight,
+                l.mlp.gate_up_proj.bias,
+                l.mlp.down_proj.weight,
+                l.mlp.down_proj.bias,
+            )
+            for l in self.decoder_layers()  # noqa: E741
+        ]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor
     ) -> torch.Tensor:
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, i)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        for i, w in enumerate(self._weights):
+            h = F.rms_norm(x, w.ln1.shape, w.ln1, eps)
+            x = x + _attention(h, w, ctx, ctx.kv_caches[i], cfg)
+            h = F.rms_norm(x, w.ln2.shape, w.ln2, eps)
+            gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down_w, w.down_b)
+        x = F.rms_norm(x[logits_indices], self.norm.weight.shape, self.norm.weight, eps)
+        return F.linear(x, self.lm_head.weight).float()
+
+
+def _attention(
+    x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor, cfg: ModelConfig
+) -> torch.Tensor:
+    n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
+    qkv = F.linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
+    qk = qkv[:, : h + kvh]
+    # NOTE: rotation in fp32 complex arithmetic (16-bit dtypes have no complex type)
+    rotated = torch.view_as_complex(qk.float().view(n, h + kvh, hd // 2, 2)) * ctx.rotary
+    qk.copy_(torch.view_as_real(rotated).view(n, h + kvh, hd))
+    kv = qkv[:, h:].view(n, 2, kvh, hd)
+    o = ctx.backend.forward(qkv[:, :h], kv, kv_cache, ctx.attn_metadata, hd**-0.5)
+    return F.linear(o.reshape(n, h * hd), w.o_w, w.o_b)

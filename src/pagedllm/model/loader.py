@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.rope import interleave_rows
 
 # HF name -> (our name, shard index within a fused tensor or None)
 _FUSED = {
@@ -99,7 +100,22 @@ def load_model(
         dest.copy_(tensor)
         loaded.add((ours, shard))
     _check_complete(params, shard_sizes, loaded, cfg)
+    _interleave_rotary_rows(model, cfg)
+    model.finalize_weights()
     return model.eval()
+
+
+@torch.no_grad()
+def _interleave_rotary_rows(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
+    q = cfg.num_heads * cfg.head_dim
+    k = cfg.num_kv_heads * cfg.head_dim
+    for layer in model.decoder_layers():
+        proj = layer.self_attn.qkv_proj
+        for t in (proj.weight, proj.bias):
+            if t is None:
+                continue
+            t[:q] = interleave_rows(t[:q], cfg.num_heads, cfg.head_dim)
+            t[q : q + k] = interleave_rows(t[q : q + k], cfg.num_kv_heads, cfg.head_dim)
 
 
 def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:

@@ -58,7 +58,15 @@ def rope_cos_sin(
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (N, heads, head_dim); cos/sin: (N, 1, head_dim / 2) in x's dtype."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def rotary_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(P, head_dim / 2) complex64 `cos + i sin`: a rotation is one complex multiply of the
+    interleaved pairs (x[2i], x[2i+1])."""
+    return torch.complex(cos, sin)
+
+
+def interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's rows from the half-split rotary layout (i, i + head_dim/2) to the
+    interleaved one (2i, 2i+1). w: (num_heads * head_dim, ...) weight or bias."""
+    rest = w.shape[1:]
+    w = w.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
+    return w.reshape(num_heads * head_dim, *rest)

@@ -10,7 +10,7 @@ from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOut
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.model import load_model
 from pagedllm.model.llama import ForwardContext
-from pagedllm.model.rope import rope_cos_sin
+from pagedllm.model.rope import rope_cos_sin, rotary_table
 
 
 class ModelRunner:
@@ -23,23 +23,17 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         num_kv_blocks = config.cache.num_kv_blocks
         assert num_kv_blocks is not None
-        num_slots = num_kv_blocks * self.block_size
-        shape = (num_slots, mcfg.num_kv_heads, mcfg.head_dim)
+        shape = self.backend.kv_cache_shape(
+            num_kv_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim
+        )
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=config.dtype, device=self.device),
-                torch.zeros(shape, dtype=config.dtype, device=self.device),
-            )
+            torch.zeros(shape, dtype=config.dtype, device=self.device)
             for _ in range(mcfg.num_layers)
         ]
         cos, sin = rope_cos_sin(
-            mcfg.rope,
-            mcfg.head_dim,
-            mcfg.max_position_embeddings,
-            config.scheduler.max_model_len,
+            mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
         )
-        self.cos = cos.to(device=self.device, dtype=config.dtype)
-        self.sin = sin.to(device=self.device, dtype=config.dtype)
+        self.rotary = rotary_table(cos, sin).to(self.device)
 
     def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
         """`batch` must hold the decodes first (see `order_batch`)."""
@@ -85,11 +79,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch = order_batch(sched.scheduled)
         step = self.prepare_inputs(batch)
-        cos = self.cos[step.positions].unsqueeze(1)
-        sin = self.sin[step.positions].unsqueeze(1)
-        ctx = ForwardContext(
-            cos, sin, self.kv_caches, self.backend, self.backend.build_metadata(step)
-        )
+        rotary = self.rotary[step.positions].unsqueeze(1)
+        metadata = self.backend.build_metadata(step)
+        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
         logits = self.model(step.input_ids, ctx, step.logits_indices)
         sampled = logits.argmax(dim=-1).tolist()
         ids = [s.request_id for s in batch if s.sample]

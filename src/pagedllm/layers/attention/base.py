@@ -26,7 +26,14 @@ class StepInputs:
 
 
 class AttentionBackend(Protocol):
-    """Writes the new keys/values into the paged cache, then attends over it."""
+    """Owns the KV-cache layout: writes the new keys/values into their slots, then attends
+    over each request's cached context."""
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache (keys and values together)."""
+        ...
 
     def build_metadata(self, step: StepInputs) -> Any:
         """Per-step tensors shared by every layer (built once per step)."""
@@ -35,10 +42,8 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # (N, num_heads, head_dim)
-        k: torch.Tensor,  # (N, num_kv_heads, head_dim)
-        v: torch.Tensor,  # (N, num_kv_heads, head_dim)
-        k_cache: torch.Tensor,  # (num_blocks * block_size, num_kv_heads, head_dim)
-        v_cache: torch.Tensor,
+        kv: torch.Tensor,  # (N, 2, num_kv_heads, head_dim): the new keys and values
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
         metadata: Any,
         scale: float,
     ) -> torch.Tensor:  # (N, num_heads, head_dim)

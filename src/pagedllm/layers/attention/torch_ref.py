@@ -1,8 +1,9 @@
 """Pure-PyTorch paged attention: the CPU path, and the oracle for the GPU kernels.
 
-Each step gathers every request's context from the paged cache by slot index (computed once
-per step, reused by all layers). Decodes are batched into one padded attention call; prefill
-chunks attend one request at a time (causal, offset by their cached prefix).
+Cache layout per layer: (num_blocks, block_size, 2, num_kv_heads, head_dim), keys and values
+of a slot side by side so that one write stores both and one gather of whole blocks (large
+contiguous copies) fetches a request's context. Decodes are batched into one padded attention
+call; prefill chunks attend one request at a time (causal, offset by their cached prefix).
 """
 
 from __future__ import annotations
@@ -19,96 +20,95 @@ from pagedllm.layers.attention.base import StepInputs
 class _Prefill:
     q_start: int
     q_len: int
-    ctx_slots: torch.Tensor  # (T,) slots of the whole context, new tokens included
-    mask: torch.Tensor  # (q_len, T) bool, True = attend
+    block_ids: torch.Tensor  # (num_blocks,) the request's blocks covering its context
+    ctx_len: int
+    mask: torch.Tensor  # (q_len, ctx_len) bool, True = attend
 
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor  # (N,)
     num_decodes: int
-    decode_ctx_slots: torch.Tensor  # (D, T_max) slots, padded with slot 0
-    decode_mask: torch.Tensor  # (D, 1, 1, T_max) bool
+    decode_block_ids: torch.Tensor  # (D * max_blocks,) block tables of the decodes, flattened
+    decode_mask: torch.Tensor  # (D, 1, 1, max_blocks * block_size) bool
     prefills: list[_Prefill]
 
 
-def _context_slots(block_table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    # (..., max_blocks) -> (..., length): the slot of every context position
-    offsets = torch.arange(block_size, device=block_table.device)
-    slots = (block_table.unsqueeze(-1) * block_size + offsets).flatten(-2)
-    return slots[..., :length]
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
+    # whole blocks -> (n, num_blocks_each * block_size, 2, kv_heads, head_dim)
+    blocks = kv_cache.flatten(1).index_select(0, block_ids)
+    return blocks.view(n, -1, *kv_cache.shape[2:])
 
 
 class TorchAttentionBackend:
     name = "torch"
 
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, 2, num_kv_heads, head_dim)
+
     def build_metadata(self, step: StepInputs) -> TorchAttentionMetadata:
         device = step.input_ids.device
-        d = step.num_decodes
-        window = step.sliding_window
+        d, bs, window = step.num_decodes, step.block_size, step.sliding_window
         ctx = torch.tensor(step.context_lens[:d], device=device)
-        t_max = max(step.context_lens[:d], default=0)
-        decode_slots = _context_slots(step.block_tables[:d], step.block_size, t_max)
-        key_pos = torch.arange(t_max, device=device)
+        max_blocks = -(-max(step.context_lens[:d], default=0) // bs)
+        key_pos = torch.arange(max_blocks * bs, device=device)
         mask = key_pos < ctx[:, None]
         if window is not None:
             mask &= key_pos >= (ctx - window)[:, None]
-        prefills = []
-        for r in range(d, len(step.context_lens)):
-            q_start, q_end = step.query_start_loc[r], step.query_start_loc[r + 1]
-            prefills.append(
-                self._prefill(step, r, q_start, q_end - q_start, step.context_lens[r], window)
-            )
+        prefills = [self._prefill(step, r, window) for r in range(d, len(step.context_lens))]
         return TorchAttentionMetadata(
-            step.slot_mapping, d, decode_slots, mask[:, None, None, :], prefills
+            slot_mapping=step.slot_mapping,
+            num_decodes=d,
+            decode_block_ids=step.block_tables[:d, :max_blocks].flatten(),
+            decode_mask=mask[:, None, None, :],
+            prefills=prefills,
         )
 
     @staticmethod
-    def _prefill(
-        step: StepInputs, r: int, q_start: int, q_len: int, ctx_len: int, window: int | None
-    ) -> _Prefill:
+    def _prefill(step: StepInputs, r: int, window: int | None) -> _Prefill:
         device = step.input_ids.device
-        slots = _context_slots(step.block_tables[r], step.block_size, ctx_len)
+        q_start, q_end = step.query_start_loc[r], step.query_start_loc[r + 1]
+        q_len, ctx_len = q_end - q_start, step.context_lens[r]
+        num_blocks = -(-ctx_len // step.block_size)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
         k_pos = torch.arange(ctx_len, device=device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window
-        return _Prefill(q_start, q_len, slots, mask)
+        return _Prefill(q_start, q_len, step.block_tables[r, :num_blocks], ctx_len, mask)
 
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         m = metadata
-        k_cache.index_copy_(0, m.slot_mapping, k)
-        v_cache.index_copy_(0, m.slot_mapping, v)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
+        kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, m.slot_mapping, kv)
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = kv.shape[2]
         group = num_heads // num_kv_heads
-        out = torch.empty_like(q)
         d = m.num_decodes
+        outs = []
         if d:
             # GQA without copies: the query heads of one KV head act as its query rows.
             # (D, kv, group, hd) x (D, kv, T, hd) -> (D, kv, group, hd)
+            ctx = _gather(kv_cache, m.decode_block_ids, d)
             qd = q[:d].view(d, num_kv_heads, group, head_dim)
-            kd = k_cache[m.decode_ctx_slots].transpose(1, 2)
-            vd = v_cache[m.decode_ctx_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, scale=scale)
-            out[:d] = o.reshape(d, num_heads, head_dim)
+            k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=m.decode_mask, scale=scale)
+            outs.append(o.view(d, num_heads, head_dim))
         for p in m.prefills:
-            # (1, heads, L, hd) x (1, kv, T, hd), causal with the cached prefix before it
-            qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
-            kp = k_cache[p.ctx_slots].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            # (1, heads, L, hd) x (1, kv, T, hd), causal after the cached prefix
+            ctx = _gather(kv_cache, p.block_ids, 1)[0, : p.ctx_len]
+            qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)[None]
+            k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=group > 1
+                qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=group > 1
             )
-            out[p.q_start : p.q_start + p.q_len] = o[0].transpose(0, 1)
-        return out
+            outs.append(o[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
