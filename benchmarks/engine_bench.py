@@ -55,7 +55,7 @@ def engine_throughput(model: str, dtype: str, n: int) -> dict[str, Any]:
     llm = LLM(model, dtype=dtype, max_num_seqs=64, max_model_len=1024)
     reqs = workload(llm.engine.config.model.vocab_size, n)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     llm.engine.scheduler.kv.pool.reset_prefix_cache()
     start = time.perf_counter()
@@ -138,7 +138,11 @@ def decode_vs_linear_chain(model: str, dtype: str, batch: int, ctx: int, iters: 
     vocab = eng.config.model.vocab_size
     for i in range(batch):
         prompt = [rng.randrange(100, vocab) for _ in range(ctx)]
-        eng.add_request(str(i), prompt, SamplingParams(max_tokens=iters * 3 + 10, ignore_eos=True))
+        eng.add_request(
+            str(i),
+            prompt,
+            SamplingParams(temperature=0, max_tokens=iters * 3 + 10, ignore_eos=True),
+        )
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.requests.values()):
         eng.step()  # prefill everything
     eng.step()
@@ -187,11 +191,13 @@ def ttft(model: str, dtype: str) -> dict[str, Any]:
     rng = random.Random(7)
     prompt = [rng.randrange(100, eng.config.model.vocab_size) for _ in range(1024)]
     warm = [rng.randrange(100, eng.config.model.vocab_size) for _ in range(64)]
-    llm.generate({"prompt_token_ids": warm}, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate(
+        {"prompt_token_ids": warm}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )
 
     def first_token(request_id: str) -> float:
         start = time.perf_counter()
-        eng.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+        eng.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1))
         while not eng.step():
             pass
         return time.perf_counter() - start

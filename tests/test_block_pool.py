@@ -18,7 +18,7 @@ def ids(blocks) -> list[int]:
 
 
 def create_request(request_id: str, token_ids: list[int]) -> Request:
-    return Request(request_id, list(token_ids), SamplingParams(max_tokens=None))
+    return Request(request_id, list(token_ids), SamplingParams(temperature=0, max_tokens=None))
 
 
 def create_manager(num_blocks: int = 16, enable_caching: bool = True) -> KVCacheManager:

@@ -20,7 +20,7 @@ from pagedllm.model.rope import rope_cos_sin
 def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=n, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
         use_tqdm=False,
     )
     return [o.outputs[0].token_ids for o in outs]
@@ -128,7 +128,9 @@ def test_generation_config_eos(tmp_path: Path, checkpoints: dict[str, Path]) -> 
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, eos]}))
     llm = LLM(str(path))
     outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=20), use_tqdm=False
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=20),
+        use_tqdm=False,
     )
     assert outs[0].outputs[0].token_ids == free_run[0][:3]
     assert outs[0].outputs[0].finish_reason == "stop"
@@ -145,7 +147,9 @@ def test_text_prompt_and_output_text(checkpoints: dict[str, Path]) -> None:
     tok = Tokenizer.from_file(str(checkpoints["llama"] / "tokenizer.json"))
     llm = LLM(str(checkpoints["llama"]))
     out = llm.generate(
-        "Once upon a time", SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
     )[0]
     assert out.prompt == "Once upon a time"
     assert out.prompt_token_ids == tok.encode("Once upon a time").ids
@@ -216,7 +220,7 @@ def test_bad_dtype_and_rope(checkpoints: dict[str, Path]) -> None:
 
 def test_prompt_errors(checkpoints: dict[str, Path]) -> None:
     llm = LLM(str(checkpoints["llama"]), max_model_len=64)
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate({"prompt_token_ids": []}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -224,7 +228,11 @@ def test_prompt_errors(checkpoints: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="context is 64 tokens"):
         llm.generate({"prompt_token_ids": [5] * 64}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
+        llm.generate(
+            {"prompt_token_ids": [5] * 60},
+            SamplingParams(temperature=0, max_tokens=10),
+            use_tqdm=False,
+        )
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 384\)"):
         llm.generate({"prompt_token_ids": [5, 384]}, params, use_tqdm=False)
     with pytest.raises(ConfigError, match="exceeds the model's context"):
@@ -241,6 +249,6 @@ def test_prompt_errors(checkpoints: dict[str, Path]) -> None:
 
 def test_sampling_params_validation() -> None:
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(temperature=0, max_tokens=0)
     with pytest.raises(ValueError, match="temperature must be non-negative"):
         SamplingParams(temperature=-1.0)

@@ -18,7 +18,7 @@ def run(path: Path, prompts: list[list[int]], **knobs: Any) -> tuple[LLM, list[l
     llm = LLM(str(path), **knobs)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
         use_tqdm=False,
     )
     assert [o.prompt_token_ids for o in outs] == prompts  # input order kept
@@ -54,7 +54,7 @@ def test_prefix_cache_hits(arch: str, checkpoints: dict[str, Path], oracle: dict
     tails = random_prompts(8, (1, 20), TINY["vocab_size"], seed=4)
     prompts = [shared + t for t in tails] + [shared[:17]]
     llm = LLM(str(checkpoints[arch]), block_size=4, max_num_seqs=2)
-    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
         oracle[arch], prompts, MAX_NEW, eos=None
@@ -98,7 +98,7 @@ def test_eos_stops_like_hf(checkpoints: dict[str, Path], oracle: dict) -> None:
     llm = LLM(str(checkpoints["qwen2"]))
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[eos]),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[eos]),
         use_tqdm=False,
     )
     assert [o.outputs[0].token_ids for o in outs] == ref_eos

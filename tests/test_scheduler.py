@@ -58,7 +58,10 @@ def create_requests(
     for i in range(first, first + n):
         prompt = [*prefix, *(1000 * (i + 1) + j for j in range(prompt_len - len(prefix)))]
         params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids)
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            stop_token_ids=list(stop_token_ids),
         )
         requests.append(Request(f"r{i}", prompt, params, eos_token_ids=frozenset({EOS})))
     return requests

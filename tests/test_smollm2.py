@@ -32,7 +32,7 @@ def test_greedy_parity_with_transformers(smollm2: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(smollm2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     llm = LLM(str(smollm2), dtype="float32", block_size=16, max_num_batched_tokens=24)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32), use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
         assert out.prompt_token_ids == ids[0].tolist()

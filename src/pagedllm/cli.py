@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     model = args.model or str(prepare.prepare_smollm2())
     llm = LLM(model, dtype=args.dtype)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         print(out.outputs[0].text)
     return 0

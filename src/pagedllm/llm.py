@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import TypedDict
@@ -12,7 +13,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class TokensPrompt(TypedDict):
@@ -89,7 +90,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), p)
+                final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, _prompt_input(prompt), final_only)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

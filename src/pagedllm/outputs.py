@@ -6,11 +6,27 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# one dict per position: token id -> Logprob (the chosen token first, then the top ones)
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    # the stop string or stop token id that ended the request (None for EOS or length)
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -24,5 +40,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
     # prompt tokens whose KV came from the prefix cache
     num_cached_tokens: int = 0

@@ -54,6 +54,10 @@ class Request:
     num_preemptions: int = 0
     # chained hashes of this request's full blocks, extended as tokens arrive
     block_hashes: list[bytes] = field(default_factory=list)
+    # the random stream's seed (a sampling `seed`, offset per sample when n > 1)
+    seed: int | None = None
+    # set when the request stopped on a token id in `stop_token_ids` (its stop_reason)
+    stop_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

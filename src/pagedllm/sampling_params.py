@@ -1,27 +1,211 @@
-"""Per-request generation settings, with vLLM's names and meanings."""
+"""Per-request generation settings, with vLLM's names and meanings.
+
+Values may arrive as strings from Triton clients ("0.7", "64", "true"/"false"); they are
+converted here, and anything that cannot be served is rejected with a message naming the field.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+DEFAULT_MAX_LOGPROBS = 20
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+def _to_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def _to_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if not as_float.is_integer():
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(as_float)
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if out != out or out in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return out
+
+
+def _to_int_list(name: str, value: Any) -> list[int]:
+    if isinstance(value, str | int):
+        value = [value]
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    return [_to_int(name, v) for v in value]
 
 
 @dataclass
 class SamplingParams:
-    """How to generate for one request.
+    """How to generate for one request (vLLM's `SamplingParams` names and meanings)."""
 
-    Only greedy decoding is implemented by the engine core so far: `temperature` must be 0.
-    """
-
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
     max_tokens: int | None = 16
-    temperature: float = 0.0
-    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # accepted for vLLM compatibility; fast tokenizers ignore it, as in vLLM
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if self.temperature != 0:
-            raise NotImplementedError("only greedy decoding (temperature=0) is supported yet")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self._convert()
+        self._validate()
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> SamplingParams:
+        """Build from a JSON object; unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind"}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
+        return SamplingParams(**values)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    def _convert(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            setattr(self, name, _to_int(name, getattr(self, name)))
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _to_int(name, getattr(self, name)))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            setattr(self, name, _to_float(name, getattr(self, name)))
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            setattr(self, name, _to_bool(name, getattr(self, name)))
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif not isinstance(self.stop, list | tuple) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        self.stop_token_ids = _to_int_list("stop_token_ids", self.stop_token_ids or [])
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
+            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or self.logprobs >= 0,
+                f"logprobs must be non-negative, got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}",
+            ),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+            ),
+            (
+                all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters",
+            ),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (
+                self.seed is None or 0 <= self.seed < 2**63,
+                f"seed must be in [0, 2**63), got {self.seed}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.top_k == 0:
+            self.top_k = -1
+
+    def check_logprobs_cap(self, max_logprobs: int) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be at most {max_logprobs}, got {value}")
+
+
+_EPS = 1e-5

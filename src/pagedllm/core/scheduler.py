@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -28,6 +29,11 @@ class ScheduledRequest:
     block_ids: list[int]
     # the chunk reaches the request's last known token: sample the next one
     sample: bool
+    # what the sampler needs (references to the request's own lists, not copies)
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +44,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # requests that left the scheduler since the previous step (runners drop their state)
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -51,9 +59,16 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     """What the model runner produced for a step: the sampled token of each request that
-    was sampled."""
+    was sampled, and log-probabilities where asked (see `pagedllm.layers.sampler`)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request -> (top ids, top logprobs, chosen logprob, chosen rank)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request -> (position of the first prompt token scored, one entry per scored token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+TokenLogprobs = tuple[list[int], list[float], float, int]
 
 
 class Scheduler:
@@ -65,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -120,7 +136,8 @@ class Scheduler:
     # --- the step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
@@ -146,7 +163,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.get_computed_blocks(request)
+            # prompt logprobs need every prompt position computed: no prefix hits
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            cached = [] if wants_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -175,6 +194,10 @@ class Scheduler:
                 start_pos=start,
                 block_ids=self.kv.block_ids(request.request_id),
                 sample=request.num_computed_tokens == request.num_tokens,
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                seed=request.seed,
             )
         )
 
@@ -205,10 +228,13 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in request.eos_token_ids
-        ):
-            return RequestStatus.FINISHED_STOPPED
+        # the sampler masks these ids until min_tokens outputs exist; this is the backstop
+        if request.num_output_tokens > params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:
@@ -219,6 +245,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests for a reason found outside the scheduler (e.g. a stop string)."""

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from pagedllm.text import Tokenizer
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -26,15 +27,16 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Owns the scheduler, the model runner and the tokenizer. Not thread-safe: one thread
-    drives `step()`; other threads hand it requests through a queue."""
+    """Owns the scheduler, the model runner, the tokenizer and the output processor. Not
+    thread-safe: one thread drives `step()`; other threads hand it requests through a queue."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.config = config
+        self.max_logprobs = max_logprobs
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.runner = ModelRunner(config)
-        self._prompts: dict[str, str | None] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(
         self,
@@ -43,7 +45,10 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request (text or token ids). Raises ValueError for one that cannot run."""
+        """Queue a request (text or token ids). Raises ValueError for one that cannot run;
+        nothing is queued then."""
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             token_ids, text = self.tokenizer.encode(prompt), prompt
         else:
@@ -51,42 +56,46 @@ class LLMEngine:
         vocab = self.config.model.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.check_logprobs_cap(self.max_logprobs)
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
         eos = frozenset(self.config.model.eos_token_ids)
-        request = Request(request_id, token_ids, params, eos, arrival_time or time.monotonic())
-        self.scheduler.add_request(request)
-        self._prompts[request_id] = text
+        now = arrival_time or time.monotonic()
+        children = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                token_ids,
+                params,
+                eos,
+                now,
+                seed=None if params.seed is None else params.seed + i,
+            )
+            for i in range(params.n)
+        ]
+        for child in children:
+            self.scheduler.add_request(child)
+        self.output_processor.add_request(request_id, text, children)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.scheduler.abort(request_id)
-        return None if request is None else self._output(request)
+        """Cancel a request (all its samples) and free its blocks at once."""
+        if not self.output_processor.has(request_id):
+            return None
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.abort(child_id)
+        return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the requests that got a token."""
+        """Run one engine step; return the outputs of the requests that changed."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         result = self.runner.execute(sched)
         changed = self.scheduler.update_from_output(sched, result)
-        return [self._output(r) for r in changed]
-
-    def _output(self, request: Request) -> RequestOutput:
-        reason = request.status.finish_reason
-        finished = reason is not None
-        # NOTE: text is decoded once, at the end; streaming deltas come from the incremental
-        # detokenizer in `pagedllm.text`.
-        text = self.tokenizer.decode(request.output_token_ids) if finished else ""
-        prompt = self._prompts.pop(request.request_id) if finished else None
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(request.output_token_ids), reason)],
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        outputs, stopped = self.output_processor.process(changed, result)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv

@@ -3,11 +3,14 @@ samples the next token of every request whose chunk reached its end."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.layers.sampler import Sampler, SampleRequest, SamplingMetadata, prompt_logprobs
 from pagedllm.model import load_model
 from pagedllm.model.llama import ForwardContext
 from pagedllm.model.rope import rope_cos_sin, rotary_table
@@ -34,6 +37,8 @@ class ModelRunner:
             mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
         )
         self.rotary = rotary_table(cos, sin).to(self.device)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
 
     def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
         """`batch` must hold the decodes first (see `order_batch`)."""
@@ -77,15 +82,92 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for request_id in sched.finished_ids:
+            self._generators.pop(request_id, None)
         batch = order_batch(sched.scheduled)
         step = self.prepare_inputs(batch)
+        spans = _prompt_logprob_spans(batch, step.query_start_loc)
+        indices = step.logits_indices
+        if spans:
+            extra = [
+                i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
+            ]
+            indices = torch.cat([indices, torch.tensor(extra, device=self.device)])
         rotary = self.rotary[step.positions].unsqueeze(1)
         metadata = self.backend.build_metadata(step)
         ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
-        logits = self.model(step.input_ids, ctx, step.logits_indices)
-        sampled = logits.argmax(dim=-1).tolist()
-        ids = [s.request_id for s in batch if s.sample]
-        return RunnerOutput(dict(zip(ids, sampled, strict=True)))
+        logits = self.model(step.input_ids, ctx, indices)
+        out = RunnerOutput()
+        sampled = [s for s in batch if s.sample]
+        if sampled:
+            self._sample(logits[: len(sampled)], sampled, out)
+        offset = len(sampled)
+        for span in spans:
+            s = span.request
+            scored = prompt_logprobs(
+                logits[offset : offset + span.count],
+                s.prompt_token_ids[span.first_pos : span.first_pos + span.count],
+                span.num_top,
+            )
+            out.prompt_logprobs[s.request_id] = (span.first_pos, scored)
+            offset += span.count
+        return out
+
+    def _sample(
+        self, logits: torch.Tensor, batch: list[ScheduledRequest], out: RunnerOutput
+    ) -> None:
+        rows = [
+            SampleRequest(
+                s.params,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                self._generator(s),
+                self._stop_ids(s) if s.params.min_tokens else (),
+            )
+            for s in batch
+        ]
+        meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
+        result = self.sampler(logits, rows, meta)
+        for s, token, lp in zip(batch, result.token_ids, result.logprobs, strict=True):
+            out.sampled_token_ids[s.request_id] = token
+            if lp is not None:
+                out.logprobs[s.request_id] = lp
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        if s.seed is None:
+            return None
+        gen = self._generators.get(s.request_id)
+        if gen is None:
+            gen = self._generators[s.request_id] = torch.Generator(self.device).manual_seed(s.seed)
+        return gen
+
+    def _stop_ids(self, s: ScheduledRequest) -> list[int]:
+        eos = () if s.params.ignore_eos else self.config.model.eos_token_ids
+        return [*eos, *s.params.stop_token_ids]
+
+
+@dataclass
+class _PromptLogprobSpan:
+    request: ScheduledRequest
+    flat_start: int  # first token of the span in the flat batch
+    count: int  # tokens whose next token is a prompt token
+    first_pos: int  # position of the first prompt token scored
+    num_top: int
+
+
+def _prompt_logprob_spans(
+    batch: list[ScheduledRequest], query_start_loc: list[int]
+) -> list[_PromptLogprobSpan]:
+    spans = []
+    for r, s in enumerate(batch):
+        num_top = s.params.prompt_logprobs
+        if num_top is None:
+            continue
+        # logits at position p score prompt token p + 1
+        count = min(s.start_pos + s.num_tokens, len(s.prompt_token_ids) - 1) - s.start_pos
+        if count > 0:
+            spans.append(_PromptLogprobSpan(s, query_start_loc[r], count, s.start_pos + 1, num_top))
+    return spans
 
 
 def order_batch(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:

@@ -1,0 +1,79 @@
+"""CPU attention backend: the C++ paged decode kernel (cpu_kernels.py) for the decodes, the
+pure-PyTorch reference backend for the cache write and the prefill chunks.
+
+Falls back to the reference decode path, with the same results up to rounding, when the
+kernel cannot be built or does not handle the shapes (see `cpu_kernels.supports`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.layers.attention import cpu_kernels
+from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
+
+
+@dataclass
+class CpuAttentionMetadata:
+    ref: TorchAttentionMetadata  # the whole step, for the reference path
+    prefill_ref: TorchAttentionMetadata  # the same without the decodes
+    num_decodes: int
+    block_tables: torch.Tensor  # (D, max_blocks) int64
+    context_lens: torch.Tensor  # (D,) int64
+    sliding_window: int | None
+
+
+class CpuAttentionBackend:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._ref = TorchAttentionBackend()
+        self.kernel_available = cpu_kernels.kernel_available()  # builds it on first use
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return self._ref.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(self, step: StepInputs) -> CpuAttentionMetadata:
+        d = step.num_decodes
+        ref = self._ref.build_metadata(step)
+        return CpuAttentionMetadata(
+            ref=ref,
+            prefill_ref=dataclasses.replace(ref, num_decodes=0),
+            num_decodes=d,
+            block_tables=step.block_tables[:d].to(torch.int64).contiguous(),
+            context_lens=torch.tensor(step.context_lens[:d], dtype=torch.int64),
+            sliding_window=step.sliding_window,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m, d = metadata, metadata.num_decodes
+        if d == 0 or not (self.kernel_available and cpu_kernels.supports(q, kv_cache)):
+            return self._ref.forward(q, kv, kv_cache, m.ref, scale)
+        if d == q.shape[0]:
+            kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, m.ref.slot_mapping, kv)
+            return self._decode(q, kv_cache, m, scale)
+        # writes every new key/value (the decodes' too) before attending the prefill chunks
+        prefill_out = self._ref.forward(q, kv, kv_cache, m.prefill_ref, scale)
+        return torch.cat([self._decode(q[:d], kv_cache, m, scale), prefill_out])
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, kv_cache: torch.Tensor, m: CpuAttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype)
+        return cpu_kernels.paged_decode_attention(
+            out, q, kv_cache, m.block_tables, m.context_lens, scale, m.sliding_window
+        )

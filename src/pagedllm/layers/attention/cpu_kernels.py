@@ -1,0 +1,437 @@
+"""C++ paged decode attention for the CPU, compiled on first use with `load_inline`.
+
+The kernel reads each request's keys/values straight from the paged cache (no gather into a
+padded tensor): one task per (request, KV head) scores the `group` query heads of that KV head
+against each key once, with an online softmax in fp32 over tiles of keys.
+
+Built with `-O3 -march=native`, so the extension's name carries a hash of the source, the
+flags, the torch version and the CPU's identity: another CPU (or source) compiles its own.
+If the build fails (no compiler, no `ninja`, ...) `load_kernels()` returns None once with a
+warning and callers fall back to pure PyTorch; `PAGEDLLM_CPU_KERNEL=0` forces that fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_GROUP = 16  # query heads per KV head
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+_LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (same soname)
+
+_CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+// GCC/Clang vector extensions: 16 fp32 lanes, lowered to whatever SIMD the CPU has.
+constexpr int64_t kLanes = 16;
+typedef float fvec __attribute__((vector_size(64)));
+typedef float fvec8 __attribute__((vector_size(32)));
+typedef float fvec4 __attribute__((vector_size(16)));
+typedef uint16_t u16vec __attribute__((vector_size(32)));
+typedef uint32_t u32vec __attribute__((vector_size(64)));
+
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxVecs = 16;  // head_dim <= 256
+constexpr int64_t kTile = 32;  // keys per online-softmax update
+
+template <typename scalar_t>
+struct Args {
+  const scalar_t* q;
+  int64_t q_stride_req, q_stride_head;
+  const scalar_t* cache;
+  int64_t block_size, slot_stride, kv_heads, head_dim, group;
+  const int64_t* block_tables;
+  int64_t table_stride;
+  const int64_t* context_lens;
+  scalar_t* out;  // contiguous (D, H, head_dim)
+  float scale;
+  int64_t window;  // 0: no sliding window
+};
+
+struct Scratch {
+  fvec q[kMaxGroup * kMaxVecs];  // the group's queries, scaled
+  fvec acc[kMaxGroup * kMaxVecs];  // unnormalized outputs
+  float scores[kMaxGroup * kTile];
+  float max[kMaxGroup];
+  float sum[kMaxGroup];
+  float alpha[kMaxGroup];  // rescaling of acc by the last max update
+};
+
+template <typename To, typename From>
+inline To bit_cast(const From& from) {
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// An unaligned vector load.
+template <typename V>
+inline V load_raw(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// 16 values as fp32.
+inline fvec load(const float* p) { return load_raw<fvec>(p); }
+
+inline fvec load(const at::BFloat16* p) {
+  return bit_cast<fvec>(__builtin_convertvector(load_raw<u16vec>(p), u32vec) << 16);
+}
+
+inline fvec load(const at::Half* p) {
+#if defined(__FLT16_MAX__)
+  typedef _Float16 hvec __attribute__((vector_size(32)));
+  return __builtin_convertvector(load_raw<hvec>(p), fvec);
+#else
+  fvec v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+template <typename scalar_t>
+inline void store(scalar_t* p, fvec v) {
+  for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<scalar_t>(v[l]);
+}
+
+inline float hsum(fvec v) {
+  const auto halves = bit_cast<std::array<fvec8, 2>>(v);
+  const auto quarters = bit_cast<std::array<fvec4, 2>>(halves[0] + halves[1]);
+  const fvec4 s = quarters[0] + quarters[1];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// exp(x) for x <= 0 (Cephes polynomial, rel. error ~1e-7): plain arithmetic, so the loop
+// calling it vectorizes. Inputs below -87 flush to ~1e-38.
+inline float exp_nonpositive(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < -87.f ? -87.f : x;
+  const float shifted = x * 1.44269504088896341f + kRound;
+  const float n = shifted - kRound;
+  const int32_t ni = bit_cast<int32_t>(shifted) - bit_cast<int32_t>(kRound);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * bit_cast<float>((ni + 127) << 23);
+}
+
+template <typename scalar_t>
+void load_queries(const Args<scalar_t>& a, int64_t b, int64_t h, int64_t nv, Scratch& s) {
+  for (int64_t j = 0; j < a.group; ++j) {
+    const scalar_t* src = a.q + b * a.q_stride_req + (h * a.group + j) * a.q_stride_head;
+    for (int64_t c = 0; c < nv; ++c) {
+      s.q[j * kMaxVecs + c] = load(src + c * kLanes) * a.scale;
+      s.acc[j * kMaxVecs + c] = fvec{};
+    }
+    s.max[j] = -std::numeric_limits<float>::infinity();
+    s.sum[j] = 0.f;
+  }
+}
+
+// Cache slot of each key in [t0, t0 + n): rows[i] points at its (K, V) pair.
+template <typename scalar_t>
+void locate_keys(const Args<scalar_t>& a, int64_t b, int64_t t0, int64_t n,
+                 const scalar_t** rows) {
+  const int64_t* table = a.block_tables + b * a.table_stride;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    const int64_t slot = table[t / a.block_size] * a.block_size + t % a.block_size;
+    rows[i] = a.cache + slot * a.slot_stride;
+  }
+}
+
+// Each key is loaded (and converted) once for all the query heads of its KV head.
+template <typename scalar_t, int64_t NV>
+void score_tile(const Args<scalar_t>& a, const scalar_t* const* rows, int64_t n, int64_t h,
+                int64_t nv, Scratch& s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* row = rows[i] + h * nv * kLanes;
+    fvec key[NV > 0 ? NV : kMaxVecs];
+    for (int64_t c = 0; c < nv; ++c) key[c] = load(row + c * kLanes);
+    for (int64_t j = 0; j < a.group; ++j) {
+      const fvec* qj = s.q + j * kMaxVecs;
+      fvec dot = qj[0] * key[0];
+      for (int64_t c = 1; c < nv; ++c) dot += qj[c] * key[c];
+      s.scores[j * kTile + i] = hsum(dot);
+    }
+  }
+}
+
+// Scores -> probabilities under the running max; alpha rescales what was accumulated.
+inline void softmax_update(int64_t group, int64_t n, Scratch& s) {
+  for (int64_t j = 0; j < group; ++j) {
+    float* sc = s.scores + j * kTile;
+    float tile_max = sc[0];
+    for (int64_t i = 1; i < n; ++i) tile_max = sc[i] > tile_max ? sc[i] : tile_max;
+    const float new_max = std::max(s.max[j], tile_max);
+    for (int64_t i = 0; i < n; ++i) sc[i] = exp_nonpositive(sc[i] - new_max);
+    float tile_sum = 0.f;  // a separate loop, so that the exp loop vectorizes
+    for (int64_t i = 0; i < n; ++i) tile_sum += sc[i];
+    s.alpha[j] = std::exp(s.max[j] - new_max);  // 0 on the first tile
+    s.sum[j] = s.sum[j] * s.alpha[j] + tile_sum;
+    s.max[j] = new_max;
+  }
+}
+
+// One query head at a time, so that its accumulator stays in registers.
+template <typename scalar_t, int64_t NV>
+void accumulate_values(const Args<scalar_t>& a, const scalar_t* const* rows, int64_t n,
+                       int64_t h, int64_t nv, Scratch& s) {
+  const int64_t v_offset = (a.kv_heads + h) * nv * kLanes;
+  for (int64_t j = 0; j < a.group; ++j) {
+    fvec acc[NV > 0 ? NV : kMaxVecs];
+    for (int64_t c = 0; c < nv; ++c) acc[c] = s.acc[j * kMaxVecs + c] * s.alpha[j];
+    for (int64_t i = 0; i < n; ++i) {
+      const float p = s.scores[j * kTile + i];
+      for (int64_t c = 0; c < nv; ++c) acc[c] += p * load(rows[i] + v_offset + c * kLanes);
+    }
+    for (int64_t c = 0; c < nv; ++c) s.acc[j * kMaxVecs + c] = acc[c];
+  }
+}
+
+template <typename scalar_t>
+void store_output(const Args<scalar_t>& a, int64_t b, int64_t h, int64_t nv, Scratch& s) {
+  const int64_t num_heads = a.kv_heads * a.group;
+  for (int64_t j = 0; j < a.group; ++j) {
+    scalar_t* dst = a.out + (b * num_heads + h * a.group + j) * nv * kLanes;
+    const float inv = s.sum[j] > 0.f ? 1.f / s.sum[j] : 0.f;  // no keys: zeros
+    for (int64_t c = 0; c < nv; ++c) store(dst + c * kLanes, s.acc[j * kMaxVecs + c] * inv);
+  }
+}
+
+// NV = head_dim / 16 fixed at compile time (registers, full unrolling), or 0: from the args.
+template <typename scalar_t, int64_t NV>
+void attend_one(const Args<scalar_t>& a, int64_t b, int64_t h, Scratch& s) {
+  const int64_t nv = NV > 0 ? NV : a.head_dim / kLanes;
+  load_queries(a, b, h, nv, s);
+  const int64_t ctx = a.context_lens[b];
+  const int64_t start = a.window > 0 ? std::max<int64_t>(0, ctx - a.window) : 0;
+  const scalar_t* rows[kTile];
+  for (int64_t t0 = start; t0 < ctx; t0 += kTile) {
+    const int64_t n = std::min(kTile, ctx - t0);
+    locate_keys(a, b, t0, n, rows);
+    score_tile<scalar_t, NV>(a, rows, n, h, nv, s);
+    softmax_update(a.group, n, s);
+    accumulate_values<scalar_t, NV>(a, rows, n, h, nv, s);
+  }
+  store_output(a, b, h, nv, s);
+}
+
+template <typename scalar_t, int64_t NV>
+void run(const Args<scalar_t>& a, int64_t num_reqs) {
+  // task = (request, kv head); a task's scratch lives on its thread's stack
+  at::parallel_for(0, num_reqs * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    for (int64_t task = begin; task < end; ++task)
+      attend_one<scalar_t, NV>(a, task / a.kv_heads, task % a.kv_heads, s);
+  });
+}
+
+template <typename scalar_t>
+void dispatch_head_dim(const Args<scalar_t>& a, int64_t num_reqs) {
+  switch (a.head_dim) {
+    case 64: return run<scalar_t, 4>(a, num_reqs);
+    case 128: return run<scalar_t, 8>(a, num_reqs);
+    default: return run<scalar_t, 0>(a, num_reqs);
+  }
+}
+
+// Every context length fits its block-table row, every block id used is in the cache.
+void check_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size,
+                  int64_t num_blocks, int64_t window) {
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lens.size(0); ++b) {
+    TORCH_CHECK(len[b] >= 0 && len[b] <= tables.size(1) * block_size,
+                "context length ", len[b], " of request ", b, " exceeds its block table");
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len[b] - window) : 0;
+    for (int64_t k = start / block_size; k * block_size < len[b]; ++k) {
+      const int64_t id = table[b * tables.stride(0) + k];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " out of range");
+    }
+  }
+}
+
+void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
+                  const torch::Tensor& tables, const torch::Tensor& lens) {
+  for (const auto* t : {&out, &q, &cache, &tables, &lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: (D, H, head_dim), last dim contiguous");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(2) == 2 && cache.is_contiguous(),
+              "kv_cache: contiguous (num_blocks, block_size, 2, kv_heads, head_dim)");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, shaped as q");
+  TORCH_CHECK(cache.size(4) == q.size(2), "head_dim of q and kv_cache differ");
+  TORCH_CHECK(q.size(1) % cache.size(3) == 0, "num_heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(1) / cache.size(3) <= kMaxGroup, "more than 16 query heads per KV head");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kMaxVecs * kLanes,
+              "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 &&
+                  tables.stride(1) == 1 && tables.size(0) >= q.size(0),
+              "block_tables: int64 (D, max_blocks), rows contiguous");
+  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.dim() == 1 && lens.is_contiguous() &&
+                  lens.size(0) == q.size(0),
+              "context_lens: contiguous int64 (D,)");
+}
+
+template <typename scalar_t>
+Args<scalar_t> make_args(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
+                         const torch::Tensor& tables, const torch::Tensor& lens, double scale,
+                         int64_t window) {
+  const int64_t kv_heads = cache.size(3), head_dim = cache.size(4);
+  return Args<scalar_t>{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
+                        cache.data_ptr<scalar_t>(), cache.size(1), 2 * kv_heads * head_dim,
+                        kv_heads, head_dim, q.size(1) / kv_heads,
+                        tables.data_ptr<int64_t>(), tables.stride(0),
+                        lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                        static_cast<float>(scale), window};
+}
+
+template <typename scalar_t>
+void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
+            const torch::Tensor& tables, const torch::Tensor& lens, double scale,
+            int64_t window) {
+  const auto args = make_args<scalar_t>(out, q, cache, tables, lens, scale, window);
+  pybind11::gil_scoped_release no_gil;
+  dispatch_head_dim(args, q.size(0));
+}
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
+                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                            int64_t sliding_window) {
+  check_inputs(out, q, kv_cache, block_tables, context_lens);
+  const int64_t window = std::max<int64_t>(sliding_window, 0);
+  check_tables(block_tables, context_lens, kv_cache.size(1), kv_cache.size(0), window);
+  switch (q.scalar_type()) {
+    case torch::kFloat: return launch<float>(out, q, kv_cache, block_tables, context_lens, scale, window);
+    case torch::kBFloat16: return launch<at::BFloat16>(out, q, kv_cache, block_tables, context_lens, scale, window);
+    case torch::kHalf: return launch<at::Half>(out, q, kv_cache, block_tables, context_lens, scale, window);
+    default: TORCH_CHECK(false, "paged_decode_attention: fp32, bf16 or fp16 only");
+  }
+}
+"""
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "module" (the extension or None) once the first load was tried
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def extension_name() -> str:
+    key = "\n".join([_CPP_SOURCE, *_CFLAGS, *_LDFLAGS, torch.__version__, _cpu_identity()])
+    return "pagedllm_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _build() -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=extension_name(),
+        cpp_sources=[_CPP_SOURCE],
+        functions=["paged_decode_attention"],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),  # copies: load_inline appends to them
+        verbose=False,
+    )
+
+
+def load_kernels() -> Any | None:
+    """The compiled extension (built or loaded from the torch extensions cache on the first
+    call), or None if it cannot be built or `PAGEDLLM_CPU_KERNEL=0`."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = None
+            if os.environ.get("PAGEDLLM_CPU_KERNEL", "1") == "0":
+                logger.info("PAGEDLLM_CPU_KERNEL=0: CPU attention kernel disabled")
+            else:
+                try:
+                    _state["module"] = _build()
+                except Exception as e:  # any build failure means: use the fallback
+                    logger.warning("CPU attention kernel unavailable (%s); using PyTorch", e)
+        return _state["module"]
+
+
+def kernel_available() -> bool:
+    return load_kernels() is not None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these shapes/dtypes (else use the PyTorch path)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = kv_cache.shape[3]
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and kv_cache.dtype == q.dtype
+        and kv_cache.is_contiguous()
+        and num_heads % kv_heads == 0
+        and num_heads // kv_heads <= MAX_GROUP
+        and head_dim % 16 == 0
+        and head_dim <= MAX_HEAD_DIM
+    )
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per request over its paged context, written into `out`.
+
+    out: contiguous (D, H, head_dim), dtype of q; q: (D, H, head_dim), any strides with a
+    contiguous last dim; kv_cache: contiguous (num_blocks, block_size, 2, kv_heads, head_dim);
+    block_tables: int64 (>= D, max_blocks) with contiguous rows; context_lens: int64 (D,), the
+    tokens in the cache including the new one. Only keys at positions >= ctx - sliding_window
+    are attended if a window is given. Raises RuntimeError if the kernel is unavailable.
+    """
+    module = load_kernels()
+    if module is None:
+        raise RuntimeError("CPU attention kernel unavailable (see the logged build error)")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    module.paged_decode_attention(
+        out, q, kv_cache, block_tables, context_lens, float(scale), sliding_window or 0
+    )
+    return out
