@@ -59,9 +59,7 @@ class OutputProcessor:
             _Sample(
                 i,
                 child,
-                IncrementalDetokenizer(
-                    self.tokenizer, child.prompt_token_ids, params.skip_special_tokens
-                )
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                 if incremental
                 else None,
                 [] if params.logprobs is not None else None,

@@ -40,21 +40,20 @@ def decode_window(
 
 @dataclass
 class IncrementalDetokenizer:
-    """Per-request state: the ids seen, the window start and the first id not yet decoded."""
+    """Per-request state: the output ids seen, the window start and the first id not yet
+    decoded.
+
+    NOTE: the window starts at the first output token, not in the prompt, so the text equals
+    `tokenizer.decode(output_ids)` exactly (a SentencePiece decoder strips the leading space
+    of the first output token, as a full decode does).
+    """
 
     tokenizer: Tokenizer
-    prompt_token_ids: Sequence[int]
     skip_special_tokens: bool = True
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     _prefix_offset: int = 0
     _read_offset: int = 0
-
-    def __post_init__(self) -> None:
-        # the window starts in the prompt, so the first output token gets its context
-        self.token_ids = list(self.prompt_token_ids[-WINDOW:])
-        self._prefix_offset = 0
-        self._read_offset = len(self.token_ids)
 
     def add_tokens(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Append ids; return the text they complete (possibly empty). `final` flushes an
@@ -70,9 +69,19 @@ class IncrementalDetokenizer:
         if delta is None:
             return ""
         self._read_offset = len(self.token_ids)
-        self._prefix_offset = max(0, self._read_offset - WINDOW)
+        self._prefix_offset = self._window_start()
         self.text += delta
         return delta
+
+    def _window_start(self) -> int:
+        """The last WINDOW ids, minus leading ones inside a character: a byte-fallback decoder
+        turns a whole run of byte tokens into U+FFFD when the run starts mid-character."""
+        start = max(0, self._read_offset - WINDOW)
+        while start < self._read_offset and self.tokenizer.decode(
+            self.token_ids[start : self._read_offset], self.skip_special_tokens
+        ).startswith(_REPLACEMENT):
+            start += 1
+        return start
 
 
 def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:

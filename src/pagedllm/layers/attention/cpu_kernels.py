@@ -54,13 +54,15 @@ typedef uint32_t u32vec __attribute__((vector_size(64)));
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxVecs = 16;  // head_dim <= 256
 constexpr int64_t kTile = 32;  // keys per online-softmax update
+constexpr int64_t kMaxRows = 64;  // query heads attended in one pass over the keys
+constexpr int64_t kScratchVecs = 512;  // query (and accumulator) vectors of a pass
 
 template <typename scalar_t>
 struct Args {
   const scalar_t* q;
   int64_t q_stride_req, q_stride_head;
   const scalar_t* cache;
-  int64_t block_size, slot_stride, kv_heads, head_dim, group;
+  int64_t block_size, slot_stride, kv_heads, nv, group;  // nv = head_dim / kLanes
   const int64_t* block_tables;
   int64_t table_stride;
   const int64_t* context_lens;
@@ -69,13 +71,18 @@ struct Args {
   int64_t window;  // 0: no sliding window
 };
 
+// Request b, KV heads [h0, h1): query heads ("rows") [h0 * group, h1 * group).
+struct Pass {
+  int64_t b, h0, h1, rows;
+};
+
 struct Scratch {
-  fvec q[kMaxGroup * kMaxVecs];  // the group's queries, scaled
-  fvec acc[kMaxGroup * kMaxVecs];  // unnormalized outputs
-  float scores[kMaxGroup * kTile];
-  float max[kMaxGroup];
-  float sum[kMaxGroup];
-  float alpha[kMaxGroup];  // rescaling of acc by the last max update
+  fvec q[kScratchVecs];  // the rows' queries, scaled: row r at q[r * nv]
+  fvec acc[kScratchVecs];  // their unnormalized outputs
+  float scores[kMaxRows * kTile];
+  float max[kMaxRows];
+  float sum[kMaxRows];
+  float alpha[kMaxRows];  // rescaling of acc by the last max update
 };
 
 template <typename To, typename From>
@@ -143,122 +150,129 @@ inline float exp_nonpositive(float x) {
 }
 
 template <typename scalar_t>
-void load_queries(const Args<scalar_t>& a, int64_t b, int64_t h, int64_t nv, Scratch& s) {
-  for (int64_t j = 0; j < a.group; ++j) {
-    const scalar_t* src = a.q + b * a.q_stride_req + (h * a.group + j) * a.q_stride_head;
+void load_queries(const Args<scalar_t>& a, const Pass& p, int64_t nv, Scratch& s) {
+  const scalar_t* q = a.q + p.b * a.q_stride_req + p.h0 * a.group * a.q_stride_head;
+  for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t c = 0; c < nv; ++c) {
-      s.q[j * kMaxVecs + c] = load(src + c * kLanes) * a.scale;
-      s.acc[j * kMaxVecs + c] = fvec{};
+      s.q[r * nv + c] = load(q + r * a.q_stride_head + c * kLanes) * a.scale;
+      s.acc[r * nv + c] = fvec{};
     }
-    s.max[j] = -std::numeric_limits<float>::infinity();
-    s.sum[j] = 0.f;
+    s.max[r] = -std::numeric_limits<float>::infinity();
+    s.sum[r] = 0.f;
   }
 }
 
-// Cache slot of each key in [t0, t0 + n): rows[i] points at its (K, V) pair.
+// Cache slot of each key in [t0, t0 + n): rows[i] points at its keys, then its values.
 template <typename scalar_t>
 void locate_keys(const Args<scalar_t>& a, int64_t b, int64_t t0, int64_t n,
-                 const scalar_t** rows) {
+                 const scalar_t** slots) {
   const int64_t* table = a.block_tables + b * a.table_stride;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = t0 + i;
     const int64_t slot = table[t / a.block_size] * a.block_size + t % a.block_size;
-    rows[i] = a.cache + slot * a.slot_stride;
+    slots[i] = a.cache + slot * a.slot_stride;
   }
 }
 
 // Each key is loaded (and converted) once for all the query heads of its KV head.
 template <typename scalar_t, int64_t NV>
-void score_tile(const Args<scalar_t>& a, const scalar_t* const* rows, int64_t n, int64_t h,
-                int64_t nv, Scratch& s) {
+void score_tile(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* slots,
+                int64_t n, int64_t nv, Scratch& s) {
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* row = rows[i] + h * nv * kLanes;
-    fvec key[NV > 0 ? NV : kMaxVecs];
-    for (int64_t c = 0; c < nv; ++c) key[c] = load(row + c * kLanes);
-    for (int64_t j = 0; j < a.group; ++j) {
-      const fvec* qj = s.q + j * kMaxVecs;
-      fvec dot = qj[0] * key[0];
-      for (int64_t c = 1; c < nv; ++c) dot += qj[c] * key[c];
-      s.scores[j * kTile + i] = hsum(dot);
+    for (int64_t h = p.h0; h < p.h1; ++h) {
+      fvec key[NV > 0 ? NV : kMaxVecs];
+      for (int64_t c = 0; c < nv; ++c) key[c] = load(slots[i] + (h * nv + c) * kLanes);
+      for (int64_t r = (h - p.h0) * a.group; r < (h - p.h0 + 1) * a.group; ++r) {
+        fvec dot = s.q[r * nv] * key[0];
+        for (int64_t c = 1; c < nv; ++c) dot += s.q[r * nv + c] * key[c];
+        s.scores[r * kTile + i] = hsum(dot);
+      }
     }
   }
 }
 
 // Scores -> probabilities under the running max; alpha rescales what was accumulated.
-inline void softmax_update(int64_t group, int64_t n, Scratch& s) {
-  for (int64_t j = 0; j < group; ++j) {
-    float* sc = s.scores + j * kTile;
+inline void softmax_update(int64_t rows, int64_t n, Scratch& s) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sc = s.scores + r * kTile;
     float tile_max = sc[0];
     for (int64_t i = 1; i < n; ++i) tile_max = sc[i] > tile_max ? sc[i] : tile_max;
-    const float new_max = std::max(s.max[j], tile_max);
+    const float new_max = std::max(s.max[r], tile_max);
     for (int64_t i = 0; i < n; ++i) sc[i] = exp_nonpositive(sc[i] - new_max);
     float tile_sum = 0.f;  // a separate loop, so that the exp loop vectorizes
     for (int64_t i = 0; i < n; ++i) tile_sum += sc[i];
-    s.alpha[j] = std::exp(s.max[j] - new_max);  // 0 on the first tile
-    s.sum[j] = s.sum[j] * s.alpha[j] + tile_sum;
-    s.max[j] = new_max;
+    s.alpha[r] = std::exp(s.max[r] - new_max);  // 0 on the first tile
+    s.sum[r] = s.sum[r] * s.alpha[r] + tile_sum;
+    s.max[r] = new_max;
   }
 }
 
 // One query head at a time, so that its accumulator stays in registers.
 template <typename scalar_t, int64_t NV>
-void accumulate_values(const Args<scalar_t>& a, const scalar_t* const* rows, int64_t n,
-                       int64_t h, int64_t nv, Scratch& s) {
-  const int64_t v_offset = (a.kv_heads + h) * nv * kLanes;
-  for (int64_t j = 0; j < a.group; ++j) {
+void accumulate_values(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* slots,
+                       int64_t n, int64_t nv, Scratch& s) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int64_t v_offset = (a.kv_heads + p.h0 + r / a.group) * nv * kLanes;
     fvec acc[NV > 0 ? NV : kMaxVecs];
-    for (int64_t c = 0; c < nv; ++c) acc[c] = s.acc[j * kMaxVecs + c] * s.alpha[j];
+    for (int64_t c = 0; c < nv; ++c) acc[c] = s.acc[r * nv + c] * s.alpha[r];
     for (int64_t i = 0; i < n; ++i) {
-      const float p = s.scores[j * kTile + i];
-      for (int64_t c = 0; c < nv; ++c) acc[c] += p * load(rows[i] + v_offset + c * kLanes);
+      const float prob = s.scores[r * kTile + i];
+      for (int64_t c = 0; c < nv; ++c) acc[c] += prob * load(slots[i] + v_offset + c * kLanes);
     }
-    for (int64_t c = 0; c < nv; ++c) s.acc[j * kMaxVecs + c] = acc[c];
+    for (int64_t c = 0; c < nv; ++c) s.acc[r * nv + c] = acc[c];
   }
 }
 
 template <typename scalar_t>
-void store_output(const Args<scalar_t>& a, int64_t b, int64_t h, int64_t nv, Scratch& s) {
+void store_output(const Args<scalar_t>& a, const Pass& p, int64_t nv, Scratch& s) {
   const int64_t num_heads = a.kv_heads * a.group;
-  for (int64_t j = 0; j < a.group; ++j) {
-    scalar_t* dst = a.out + (b * num_heads + h * a.group + j) * nv * kLanes;
-    const float inv = s.sum[j] > 0.f ? 1.f / s.sum[j] : 0.f;  // no keys: zeros
-    for (int64_t c = 0; c < nv; ++c) store(dst + c * kLanes, s.acc[j * kMaxVecs + c] * inv);
+  scalar_t* out = a.out + (p.b * num_heads + p.h0 * a.group) * nv * kLanes;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float inv = s.sum[r] > 0.f ? 1.f / s.sum[r] : 0.f;  // no keys: zeros
+    for (int64_t c = 0; c < nv; ++c)
+      store(out + (r * nv + c) * kLanes, s.acc[r * nv + c] * inv);
   }
 }
 
 // NV = head_dim / 16 fixed at compile time (registers, full unrolling), or 0: from the args.
 template <typename scalar_t, int64_t NV>
-void attend_one(const Args<scalar_t>& a, int64_t b, int64_t h, Scratch& s) {
-  const int64_t nv = NV > 0 ? NV : a.head_dim / kLanes;
-  load_queries(a, b, h, nv, s);
-  const int64_t ctx = a.context_lens[b];
+void attend(const Args<scalar_t>& a, const Pass& p, Scratch& s) {
+  const int64_t nv = NV > 0 ? NV : a.nv;
+  load_queries(a, p, nv, s);
+  const int64_t ctx = a.context_lens[p.b];
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, ctx - a.window) : 0;
-  const scalar_t* rows[kTile];
+  const scalar_t* slots[kTile];
   for (int64_t t0 = start; t0 < ctx; t0 += kTile) {
     const int64_t n = std::min(kTile, ctx - t0);
-    locate_keys(a, b, t0, n, rows);
-    score_tile<scalar_t, NV>(a, rows, n, h, nv, s);
-    softmax_update(a.group, n, s);
-    accumulate_values<scalar_t, NV>(a, rows, n, h, nv, s);
+    locate_keys(a, p.b, t0, n, slots);
+    score_tile<scalar_t, NV>(a, p, slots, n, nv, s);
+    softmax_update(p.rows, n, s);
+    accumulate_values<scalar_t, NV>(a, p, slots, n, nv, s);
   }
-  store_output(a, b, h, nv, s);
+  store_output(a, p, nv, s);
 }
 
+// Tasks are (request, KV head) pairs; a thread attends its consecutive tasks of one request
+// in a single pass over the keys, which reads each cache slot as one contiguous run.
 template <typename scalar_t, int64_t NV>
 void run(const Args<scalar_t>& a, int64_t num_reqs) {
-  // task = (request, kv head); a task's scratch lives on its thread's stack
+  const int64_t max_heads = std::min(kMaxRows, kScratchVecs / a.nv) / a.group;
   at::parallel_for(0, num_reqs * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
-    for (int64_t task = begin; task < end; ++task)
-      attend_one<scalar_t, NV>(a, task / a.kv_heads, task % a.kv_heads, s);
+    Scratch s;  // on the thread's stack
+    for (int64_t task = begin; task < end;) {
+      const int64_t b = task / a.kv_heads, h0 = task % a.kv_heads;
+      const int64_t h1 = std::min({a.kv_heads, h0 + max_heads, end - b * a.kv_heads});
+      attend<scalar_t, NV>(a, Pass{b, h0, h1, (h1 - h0) * a.group}, s);
+      task += h1 - h0;
+    }
   });
 }
 
 template <typename scalar_t>
 void dispatch_head_dim(const Args<scalar_t>& a, int64_t num_reqs) {
-  switch (a.head_dim) {
-    case 64: return run<scalar_t, 4>(a, num_reqs);
-    case 128: return run<scalar_t, 8>(a, num_reqs);
+  switch (a.nv) {
+    case 4: return run<scalar_t, 4>(a, num_reqs);  // head_dim 64
+    case 8: return run<scalar_t, 8>(a, num_reqs);  // head_dim 128
     default: return run<scalar_t, 0>(a, num_reqs);
   }
 }
@@ -309,7 +323,7 @@ Args<scalar_t> make_args(torch::Tensor& out, const torch::Tensor& q, const torch
   const int64_t kv_heads = cache.size(3), head_dim = cache.size(4);
   return Args<scalar_t>{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
                         cache.data_ptr<scalar_t>(), cache.size(1), 2 * kv_heads * head_dim,
-                        kv_heads, head_dim, q.size(1) / kv_heads,
+                        kv_heads, head_dim / kLanes, q.size(1) / kv_heads,
                         tables.data_ptr<int64_t>(), tables.stride(0),
                         lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                         static_cast<float>(scale), window};
