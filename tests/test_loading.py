@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, hf_greedy, hf_model, make_checkpoint, random_prompts
 from safetensors.torch import load_file, save_file
 
+from conftest import TINY, hf_greedy, hf_model, make_checkpoint, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError, ModelConfig, RopeConfig
 from pagedllm.model.rope import rope_cos_sin

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ARCHS, TINY, hf_greedy, hf_model, random_prompts
 
+from conftest import ARCHS, TINY, hf_greedy, hf_model, random_prompts
 from pagedllm import LLM, SamplingParams
 
 MAX_NEW = 24

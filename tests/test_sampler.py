@@ -1,0 +1,578 @@
+"""The sampler against independent references: HF `transformers` logits warpers/processors and
+plain torch formulas for the masks, penalties, min_tokens, the sampled distribution, seeds and
+logprobs; `SamplingParams` conversion/validation; and the same properties end to end through
+`LLM.generate` on the tiny Llama checkpoint (log-probabilities checked against HF's forward)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from conftest import TINY, hf_greedy, hf_model, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers import sampler as sampler_module
+from pagedllm.layers.sampler import (
+    Sampler,
+    SampleRequest,
+    SamplingMetadata,
+    apply_penalties,
+    apply_top_k_top_p,
+    prompt_logprobs,
+)
+from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+CPU = torch.device("cpu")
+NO_IDS = torch.zeros(1, 0, dtype=torch.long)  # HF warpers ignore input_ids
+
+
+def make_row(
+    params: SamplingParams,
+    prompt: Sequence[int] = (2, 3),
+    output: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    stop_ids: Sequence[int] = (),
+) -> SampleRequest:
+    return SampleRequest(params, list(prompt), list(output), generator, stop_ids)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRequest]) -> list[int]:
+    meta = SamplingMetadata.build(rows, logits.shape[1], CPU)
+    return Sampler()(logits, rows, meta).token_ids
+
+
+def hf_warp(logits: torch.Tensor, p: SamplingParams, upto: str = "top_p") -> torch.Tensor:
+    """HF warpers on one row (V,), in our sampler's order: temperature, min_p, top-k, top-p;
+    `upto="min_p"` stops after the min_p step."""
+    warpers: list[Any] = [TemperatureLogitsWarper(p.temperature)]
+    if p.min_p > 0:
+        warpers.append(MinPLogitsWarper(p.min_p))
+    if upto == "top_p":
+        if p.top_k > 0:
+            warpers.append(TopKLogitsWarper(p.top_k))
+        if p.top_p < 1:
+            warpers.append(TopPLogitsWarper(p.top_p))
+    x = logits[None].clone()
+    for w in warpers:
+        x = w(NO_IDS, x)
+    return x[0]
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Records (input, output) of every `apply_top_k_top_p` call made by `Sampler`: its input
+    is the logits after min_tokens, penalties, temperature and min_p; its output is the final
+    filtered logits the draw uses."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = sampler_module.apply_top_k_top_p
+
+    def recording(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+        out = original(logits, *args)
+        calls.append((logits.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p", recording)
+    return calls
+
+
+# --- masks ---------------------------------------------------------------------------------
+
+V = 1000
+# per row (top_k, top_p); 0 / 1.0 = disabled. Every row differs: the mask is vectorized
+MASK_PARAMS = [(0, 1.0), (1, 1.0), (7, 1.0), (0, 0.9), (0, 0.05), (50, 0.5), (999, 0.99), (3, 0.3)]
+
+
+@pytest.mark.parametrize("which", ["both", "top_k", "top_p"])
+def test_top_k_top_p_mask_matches_hf(which: str) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(len(MASK_PARAMS), V) * 3
+    top_k = torch.tensor([k if k > 0 else V for k, _ in MASK_PARAMS])
+    top_p = torch.tensor([p for _, p in MASK_PARAMS])
+    use_k, use_p = which in ("both", "top_k"), which in ("both", "top_p")
+    got = apply_top_k_top_p(logits, top_k if use_k else None, top_p if use_p else None)
+    for i, (k, p) in enumerate(MASK_PARAMS):
+        ref = logits[i : i + 1].clone()
+        if use_k and k > 0:
+            ref = TopKLogitsWarper(k)(NO_IDS, ref)
+        if use_p and p < 1:
+            ref = TopPLogitsWarper(p)(NO_IDS, ref)
+        kept = ref[0].isfinite()
+        assert torch.equal(got[i].isfinite(), kept), f"row {i} (top_k={k}, top_p={p})"
+        assert torch.equal(got[i][kept], logits[i][kept])  # survivors keep their values
+    # the parameters really cut something, and differently per row
+    kept_counts = got.isfinite().sum(dim=1).tolist()
+    assert len(set(kept_counts)) >= 4 and min(kept_counts) < V
+
+
+SAMPLER_PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, min_p=0.05),
+    SamplingParams(temperature=0.5, min_p=0.2, top_k=20),
+    SamplingParams(temperature=2.0, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.01, top_k=100, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=5),
+    SamplingParams(temperature=0),  # greedy row in the same batch
+    SamplingParams(temperature=1.5, min_p=0.5, top_p=0.95),
+]
+
+
+def test_sampler_filters_match_hf_warpers(spy: list) -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(len(SAMPLER_PARAMS), V) * 2
+    tokens = sample(logits, [make_row(p) for p in SAMPLER_PARAMS])
+    assert len(spy) == 1
+    after_min_p, final = spy[0]
+    for i, p in enumerate(SAMPLER_PARAMS):
+        if p.greedy:
+            assert tokens[i] == logits[i].argmax().item()
+            continue
+        min_p_ref = hf_warp(logits[i], p, upto="min_p")
+        assert torch.equal(after_min_p[i].isfinite(), min_p_ref.isfinite()), f"row {i} min_p"
+        ref = hf_warp(logits[i], p)
+        kept = ref.isfinite()
+        assert torch.equal(final[i].isfinite(), kept), f"row {i} top-k/top-p"
+        torch.testing.assert_close(final[i][kept], logits[i][kept] / p.temperature)
+        assert kept[tokens[i]], f"row {i} sampled a filtered-out token"
+
+
+# --- penalties -----------------------------------------------------------------------------
+
+
+def test_penalties_match_formulas() -> None:
+    vocab = 40
+    torch.manual_seed(2)
+    logits = torch.randn(5, vocab) * 3
+    # (prompt, output, repetition, frequency, presence): all rows differ; repeated tokens,
+    # tokens only in the prompt (repetition only), tokens in both
+    cases = [
+        ([3, 4, 5, 3], [6, 6, 6, 7], 1.3, 0.5, 0.25),
+        ([8, 9], [], 2.0, 1.0, 1.0),
+        ([10, 11, 12], [10, 13, 13], 0.8, -0.4, 0.7),
+        ([14], [15, 16, 15, 15, 14], 1.0, 1.5, 0.0),
+        ([17, 18], [19, 19], 1.0, 0.0, -1.2),
+    ]
+    rows = [
+        make_row(
+            SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres),
+            prompt,
+            output,
+        )
+        for prompt, output, rep, freq, pres in cases
+    ]
+    meta = SamplingMetadata.build(rows, vocab, CPU)
+    got = apply_penalties(logits.clone(), rows, meta)
+    for i, (prompt, output, rep, freq, pres) in enumerate(cases):
+        ids = torch.tensor([prompt + output])
+        ref = RepetitionPenaltyLogitsProcessor(rep)(ids, logits[i : i + 1].clone())[0]
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab).float()
+        ref = ref - freq * counts - pres * (counts > 0).float()
+        torch.testing.assert_close(got[i], ref, rtol=0, atol=1e-6)
+    assert not torch.equal(got, logits)
+
+
+# --- min_tokens ----------------------------------------------------------------------------
+
+
+def test_min_tokens_masks_stop_ids_until_reached(spy: list) -> None:
+    vocab, eos, stop = 50, 1, [7, 9]
+    torch.manual_seed(3)
+    base = torch.randn(vocab)
+    base[eos], base[7], base[9] = 20.0, 25.0, 22.0  # stop ids dominate the distribution
+    rows, lengths = [], []
+    for num_out in range(5):  # min_tokens = 3: masked while fewer than 3 outputs exist
+        for temperature in (0.0, 1.0):
+            # top_k = vocab - 1 masks nothing relevant; it routes the batch through the spy
+            p = SamplingParams(temperature=temperature, min_tokens=3, top_k=vocab - 1)
+            rows.append(make_row(p, output=[20] * num_out, stop_ids=[eos, *stop]))
+            lengths.append(num_out)
+    # many copies of each row: a masked row must never draw a stop id
+    rows, lengths = rows * 200, lengths * 200
+    tokens = sample(base.repeat(len(rows), 1), rows)
+    seen_logits = spy[0][0]
+    stop_ids = [eos, *stop]
+    best_other = base.clone()
+    best_other[stop_ids] = float("-inf")
+    for i, (row, num_out) in enumerate(zip(rows, lengths, strict=True)):
+        masked = num_out < 3
+        assert seen_logits[i, stop_ids].isneginf().all().item() == masked
+        if masked:
+            assert tokens[i] not in stop_ids
+            if row.params.greedy:
+                assert tokens[i] == best_other.argmax().item()
+        else:
+            assert seen_logits[i, stop_ids].isfinite().all()
+            if row.params.greedy:
+                assert tokens[i] == 7
+    # unmasked random rows do draw stop ids (they hold ~all the mass)
+    assert all(t in stop_ids for t, n in zip(tokens, lengths, strict=True) if n >= 3)
+
+
+# --- the sampled distribution --------------------------------------------------------------
+
+DIST_LOGITS = torch.tensor([2.0, 1.4, 1.0, 0.3, -0.4, -1.5])
+DIST_PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=0.8, top_p=0.7),
+    SamplingParams(temperature=1.6, min_p=0.3),
+    SamplingParams(temperature=1.5, top_k=5, top_p=0.85, min_p=0.15),
+]
+NUM_DRAWS = 20_000
+# The empirical frequency of a token of probability q over N draws has standard deviation
+# sqrt(q (1 - q) / N) <= sqrt(0.25 / 20000) = 0.0035, so |freq - q| < 0.015 holds at > 4
+# sigma for every token of every row (and the draw is seeded: no flakes). With these logits
+# each wrong implementation moves some token's probability by at least 5x the bound: no
+# temperature (0.11 on row 0, 0.19 on row 2), Gumbel-max on logits instead of probs (0.13,
+# row 0), top-k keeping k - 1 / k + 1 tokens (0.22 / 0.11, row 1), a top-p cutoff one token
+# short / long (0.32 / 0.16, row 2), min_p dropped or taken before temperature (0.08 / 0.14,
+# row 3), the three filters not composed (row 4).
+MAX_FREQ_ERROR = 0.015
+
+
+def test_sampled_frequencies_match_filtered_softmax() -> None:
+    torch.manual_seed(4)
+    greedy_logits = DIST_LOGITS.flip(0)  # argmax = token 5: greedy rows differ from the rest
+    rows: list[SampleRequest] = []
+    logits = []
+    for p in DIST_PARAMS:
+        rows += [make_row(p)] * NUM_DRAWS
+        logits.append(DIST_LOGITS.repeat(NUM_DRAWS, 1))
+    greedy = SamplingParams(temperature=0, top_k=2, top_p=0.5)
+    rows += [make_row(greedy)] * 500
+    logits.append(greedy_logits.repeat(500, 1))
+    tokens = torch.tensor(sample(torch.cat(logits), rows))
+    for j, p in enumerate(DIST_PARAMS):
+        drawn = tokens[j * NUM_DRAWS : (j + 1) * NUM_DRAWS]
+        freq = torch.bincount(drawn, minlength=6).float() / NUM_DRAWS
+        expected = hf_warp(DIST_LOGITS, p).softmax(dim=-1)
+        err = (freq - expected).abs().max().item()
+        assert err < MAX_FREQ_ERROR, f"{p}: freq {freq.tolist()} vs {expected.tolist()}"
+    assert (tokens[len(DIST_PARAMS) * NUM_DRAWS :] == 5).all()
+
+
+# --- seeds ---------------------------------------------------------------------------------
+
+STEPS = 6
+
+
+def seeded_sequence(seed: int, position: int, others: list[SamplingParams]) -> list[int]:
+    """The tokens a seeded row draws over STEPS steps when batched with `others` at
+    `position`; the row's logits at step t are fixed, the others' logits vary."""
+    target = SamplingParams(temperature=0.9, top_p=0.95, min_p=0.001)
+    gen = torch.Generator().manual_seed(seed)
+    other_gens = [torch.Generator().manual_seed(100 + k) if k % 2 else None for k in range(9)]
+    noise = torch.Generator().manual_seed(seed * 7 + position + len(others))
+    out: list[int] = []
+    other_outs: list[list[int]] = [[] for _ in others]
+    for t in range(STEPS):
+        row_logits = torch.randn(V, generator=torch.Generator().manual_seed(1000 + t))
+        rows = [
+            make_row(p, output=o, generator=other_gens[k])
+            for k, (p, o) in enumerate(zip(others, other_outs, strict=True))
+        ]
+        rows.insert(position, make_row(target, output=out, generator=gen))
+        logits = torch.randn(len(rows), V, generator=noise) * 2
+        logits[position] = row_logits
+        tokens = sample(logits, rows)
+        out.append(tokens.pop(position))
+        for o, tok in zip(other_outs, tokens, strict=True):
+            o.append(tok)
+    return out
+
+
+def test_seeded_row_independent_of_batch() -> None:
+    torch.manual_seed(5)
+    alone = seeded_sequence(1234, 0, [])
+    batches = [
+        (2, [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=5)]),
+        (0, [SamplingParams(temperature=0.3, repetition_penalty=1.5, frequency_penalty=1.0)]),
+        (
+            4,
+            [
+                SamplingParams(min_p=0.2),
+                SamplingParams(temperature=0),
+                SamplingParams(top_p=0.5, presence_penalty=1.0),
+                SamplingParams(temperature=2.0),
+                SamplingParams(temperature=0.5, top_k=3),
+            ],
+        ),
+    ]
+    for position, others in batches:
+        assert seeded_sequence(1234, position, others) == alone, (position, others)
+    assert seeded_sequence(1235, 0, []) != alone
+    assert seeded_sequence(99, 2, batches[0][1]) != alone
+
+
+# --- logprobs ------------------------------------------------------------------------------
+
+
+def check_logprobs(
+    entry: tuple[list[int], list[float], float, int], ref: torch.Tensor, token: int, n: int
+) -> None:
+    """`ref`: (V,) float64 log_softmax of the raw logits."""
+    top_ids, top_vals, chosen, rank = entry
+    assert top_ids == ref.topk(n).indices.tolist()
+    torch.testing.assert_close(torch.tensor(top_vals, dtype=torch.float64), ref.topk(n).values)
+    assert abs(chosen - ref[token].item()) < 1e-5
+    assert rank == 1 + int((ref > ref[token]).sum())
+
+
+def test_sample_logprobs_are_raw_log_softmax() -> None:
+    torch.manual_seed(6)
+    params = [
+        SamplingParams(logprobs=3, temperature=2.0),
+        SamplingParams(),  # no logprobs asked
+        SamplingParams(logprobs=0, temperature=0),
+        # penalties and min_tokens change what is sampled, not the reported logprobs
+        SamplingParams(logprobs=5, temperature=0, repetition_penalty=3.0, min_tokens=2),
+        SamplingParams(logprobs=1, temperature=1.0, top_k=4, frequency_penalty=2.0),
+    ]
+    logits = torch.randn(len(params), V) * 2
+    logits[3, 42] = 30.0  # the raw argmax of row 3 is a stop id, masked by min_tokens
+    rows = [
+        make_row(p, prompt=[5, 6], output=[7], stop_ids=[42] if p.min_tokens else ())
+        for p in params
+    ]
+    meta = SamplingMetadata.build(rows, V, CPU)
+    out = Sampler()(logits.clone(), rows, meta)
+    ref = logits.double().log_softmax(dim=-1)
+    assert out.logprobs[1] is None
+    for i, p in enumerate(params):
+        if p.logprobs is not None:
+            entry = out.logprobs[i]
+            assert entry is not None
+            check_logprobs(entry, ref[i], out.token_ids[i], p.logprobs)
+    entry = out.logprobs[3]
+    assert entry is not None and entry[3] == 2 and entry[0][0] == 42  # chosen: not the raw top
+
+
+def test_prompt_logprobs_function() -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(9, 300) * 2
+    next_tokens = torch.randint(0, 300, (9,)).tolist()
+    next_tokens[0] = logits[0].argmax().item()  # a rank-1 entry
+    got = prompt_logprobs(logits, next_tokens, 4)
+    ref = logits.double().log_softmax(dim=-1)
+    assert len(got) == 9
+    for i, entry in enumerate(got):
+        check_logprobs(entry, ref[i], next_tokens[i], 4)
+    assert got[0][3] == 1
+
+
+# --- SamplingParams ------------------------------------------------------------------------
+
+
+def test_string_values_are_converted() -> None:
+    p = SamplingParams(
+        temperature="0.7",
+        top_p="0.9",
+        max_tokens="64",
+        top_k="5",
+        seed="42",
+        logprobs="2",
+        ignore_eos="true",
+        skip_special_tokens="false",
+        include_stop_str_in_output="1",
+        spaces_between_special_tokens="0",
+        stop="###",
+        stop_token_ids="7",
+    )
+    assert p.temperature == 0.7 and isinstance(p.temperature, float)
+    assert p.top_p == 0.9
+    assert p.max_tokens == 64 and isinstance(p.max_tokens, int)
+    assert p.top_k == 5 and p.seed == 42 and p.logprobs == 2
+    assert p.ignore_eos is True
+    assert p.skip_special_tokens is False  # "false" is not truthy
+    assert p.include_stop_str_in_output is True
+    assert p.spaces_between_special_tokens is False
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [7]
+    q = SamplingParams.from_dict({"ignore_eos": "False", "n": "3", "min_p": "0.25"})
+    assert q.ignore_eos is False and q.n == 3 and q.min_p == 0.25
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_to_int parses strings through float(): integers above 2**53 lose precision",
+)
+def test_large_integer_string_keeps_precision() -> None:
+    assert SamplingParams(seed="9007199254740993").seed == 9007199254740993
+
+
+@pytest.mark.parametrize("value", [0, "0", -1])
+def test_top_k_zero_means_disabled(value: Any) -> None:
+    assert SamplingParams(top_k=value).top_k == -1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, r"\bn\b"),
+        ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"temperature": "abc"}, "temperature"),
+        ({"max_tokens": "1.5"}, "max_tokens"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": "nan"}, "top_p"),
+        ({"max_tokens": float("nan")}, "max_tokens"),
+        ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_limits_accept_the_boundary() -> None:
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, top_p=1, top_k=-1)
+    SamplingParams(min_tokens=3, max_tokens=3, temperature=0, n=1)
+
+
+def test_logprobs_cap() -> None:
+    SamplingParams(logprobs=DEFAULT_MAX_LOGPROBS).check_logprobs_cap(DEFAULT_MAX_LOGPROBS)
+    with pytest.raises(ValueError, match=r"^logprobs must be at most 20"):
+        SamplingParams(logprobs=21).check_logprobs_cap(DEFAULT_MAX_LOGPROBS)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=30).check_logprobs_cap(DEFAULT_MAX_LOGPROBS)
+
+
+def test_from_dict_rejects_unknown_keys() -> None:
+    with pytest.raises(ValueError, match=r"bogus.*temprature"):
+        SamplingParams.from_dict({"temprature": 0.5, "bogus": 1, "top_p": 0.5})
+    assert SamplingParams.from_dict({"top_p": "0.5"}).top_p == 0.5
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: dict[str, Path]) -> LLM:
+    return LLM(str(checkpoints["llama"]))
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints: dict[str, Path]) -> Any:
+    return hf_model(checkpoints["llama"])
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def hf_log_softmax(oracle: Any, ids: list[int]) -> torch.Tensor:
+    """(len(ids), V) fp32: row j scores the token at position j + 1."""
+    with torch.no_grad():
+        return oracle(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def test_e2e_seed_same_alone_and_in_batch(llm: LLM) -> None:
+    prompts = random_prompts(5, (3, 30), TINY["vocab_size"], seed=11)
+    target = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_NEW)
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=MAX_NEW + 3),
+        SamplingParams(temperature=0, max_tokens=4),
+        SamplingParams(temperature=1.2, top_k=20, seed=8, repetition_penalty=1.3, max_tokens=6),
+        SamplingParams(temperature=0.5, min_p=0.1, presence_penalty=0.5, n=2),
+    ]
+    mine, rest = prompts[0], prompts[1:]
+    (alone,) = generate(llm, [mine], [target])
+    batched = generate(llm, [rest[0], mine, *rest[1:]], [others[0], target, *others[1:]])
+    swapped = generate(llm, [*rest[::-1], mine], [*others[::-1], target])
+    for out in (batched[1], swapped[-1]):
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert out.outputs[0].text == alone.outputs[0].text
+    assert len(alone.outputs[0].token_ids) == MAX_NEW or alone.outputs[0].finish_reason == "stop"
+    (other_seed,) = generate(llm, [mine], [SamplingParams(temperature=0.8, seed=9)])
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_e2e_greedy_rows_unaffected_by_random_rows(llm: LLM, oracle: Any) -> None:
+    prompts = random_prompts(6, (2, 25), TINY["vocab_size"], seed=12)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    randoms = [
+        SamplingParams(temperature=1.0, max_tokens=MAX_NEW),
+        SamplingParams(temperature=1.5, top_k=50, top_p=0.9, max_tokens=MAX_NEW),
+        SamplingParams(temperature=0.7, min_p=0.05, max_tokens=MAX_NEW),
+    ]
+    params = [greedy if i % 2 == 0 else randoms[i // 2] for i in range(6)]
+    outs = generate(llm, prompts, params)
+    greedy_prompts = prompts[0::2]
+    expected = hf_greedy(oracle, greedy_prompts, MAX_NEW, eos=None)
+    assert [o.outputs[0].token_ids for o in outs[0::2]] == expected
+    alone = generate(llm, greedy_prompts, [greedy] * 3)
+    assert [o.outputs[0].text for o in outs[0::2]] == [o.outputs[0].text for o in alone]
+
+
+def test_e2e_n_samples_with_seed(llm: LLM) -> None:
+    prompt = random_prompts(1, (8, 8), TINY["vocab_size"], seed=13)
+    params = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=MAX_NEW, ignore_eos=True)
+    (first,) = generate(llm, prompt, [params])
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    ids = [c.token_ids for c in first.outputs]
+    assert all(len(x) == MAX_NEW for x in ids)
+    assert len({tuple(x) for x in ids}) > 1
+    (again,) = generate(llm, prompt, [params])
+    assert [c.token_ids for c in again.outputs] == ids
+
+
+def test_e2e_logprobs_match_hf(llm: LLM, oracle: Any) -> None:
+    prompts = random_prompts(2, (5, 20), TINY["vocab_size"], seed=14)
+    params = [
+        SamplingParams(temperature=1.0, seed=3, logprobs=3, max_tokens=MAX_NEW),
+        SamplingParams(temperature=0, logprobs=3, max_tokens=MAX_NEW, ignore_eos=True),
+    ]
+    outs = generate(llm, prompts, params)
+    ranks = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        c = out.outputs[0]
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+        ref = hf_log_softmax(oracle, prompt + c.token_ids)
+        chosen = []
+        for j, (token, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            row = ref[len(prompt) - 1 + j]  # the logits that predicted output token j
+            assert token in entry and len(entry) in (3, 4)
+            assert set(row.topk(3).indices.tolist()) <= set(entry)
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            assert entry[token].rank == 1 + int((row > row[token]).sum())
+            chosen.append(entry[token].logprob)
+            ranks.append(entry[token].rank)
+        assert c.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
+    assert max(ranks) > 1  # the random row did not only pick top-1 tokens
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_e2e_prompt_logprobs_match_hf(checkpoints: dict[str, Path], oracle: Any, chunk) -> None:
+    llm = LLM(str(checkpoints["llama"]), max_num_batched_tokens=chunk, block_size=4)
+    prompts = random_prompts(2, (12, 30), TINY["vocab_size"], seed=15)
+    params = SamplingParams(prompt_logprobs=2, max_tokens=2)
+    outs = generate(llm, prompts, [params, params])
+    for prompt, out in zip(prompts, outs, strict=True):
+        plp = out.prompt_logprobs
+        assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+        ref = hf_log_softmax(oracle, prompt)
+        for i in range(1, len(prompt)):
+            entry, row, token = plp[i], ref[i - 1], prompt[i]
+            assert entry is not None and token in entry and len(entry) in (2, 3)
+            assert set(row.topk(2).indices.tolist()) <= set(entry)
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            assert entry[token].rank == 1 + int((row > row[token]).sum())
