@@ -20,7 +20,8 @@ def engine(checkpoints: dict[str, Path]) -> LLMEngine:
 
 def test_n_samples_share_prompt_blocks(engine: LLMEngine) -> None:
     prompt = random_prompts(1, (40, 40), TINY["vocab_size"], seed=21)[0]
-    engine.add_request("r", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=10))
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    engine.add_request("r", prompt, params)
     engine.step()  # all four samples admitted in one step
     pool = engine.scheduler.kv.pool
     tables = [engine.scheduler.kv.block_ids(f"r#{i}") for i in range(4)]
