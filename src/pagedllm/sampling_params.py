@@ -40,6 +40,11 @@ def _to_int(name: str, value: Any) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if isinstance(value, int):
         return value
+    if isinstance(value, str):
+        try:  # exact for integers beyond 2**53, which a float would round
+            return int(value.strip())
+        except ValueError:
+            pass
     try:
         as_float = float(value)
     except (TypeError, ValueError):
