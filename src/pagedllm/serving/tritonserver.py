@@ -1,0 +1,337 @@
+"""Run a real ``tritonserver`` on a machine without Docker or GPU.
+
+The PyPI wheel ``nvidia-pytriton==0.7.0`` ships ``tritonserver`` 2.51, the Python backend and
+one backend stub per Python version. Install it without its dependencies (it pins
+``numpy<2``; the server binary needs none of them)::
+
+    pip install --no-deps nvidia-pytriton==0.7.0
+
+Two facts shape the model side:
+
+* The stub embeds ``libpython3.X`` in *isolated* mode: it ignores ``PYTHONPATH`` and sees
+  neither this virtual environment nor ``src/``. The launcher lists the directories to add in
+  ``PAGEDLLM_SYS_PATH`` (``os.pathsep``-separated) and every ``model.py`` starts with the lines
+  below, *before* importing ``triton_python_backend_utils`` (which imports numpy)::
+
+      import os, site, sys
+      _before = list(sys.path)
+      for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
+          if _p:
+              site.addsitedir(_p)  # also runs *.pth files (editable installs)
+      sys.path[:] = [p for p in sys.path if p not in _before] + _before
+
+* The stub's pybind11 predates NumPy 2: with numpy 2 in the stub, tensors are silently
+  garbled (zero strides). The first numpy on ``PAGEDLLM_SYS_PATH`` must be 1.x, e.g. a
+  directory made by ``pip install --no-deps --target DIR "numpy<2"`` listed first
+  (torch and the rest of pagedllm work with it). :func:`server_env` refuses numpy 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+SYS_PATH_ENV = "PAGEDLLM_SYS_PATH"
+PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
+_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+_STUB = "triton_python_backend_stub"
+# Optional extra arguments for a GPU-less host: no pinned-memory or NVML/DCGM warnings.
+CPU_QUIET_ARGS = ("--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false")
+
+
+def find_pytriton() -> Path:
+    """Return the ``pytriton/tritonserver`` directory of the installed ``nvidia-pytriton`` wheel:
+    ``bin/tritonserver``, ``backends/python`` and ``python_backend_stubs/<X.Y>/`` live there, the
+    shared libraries in the sibling ``nvidia_pytriton.libs`` (see :func:`pytriton_libs`)."""
+    spec = importlib.util.find_spec("pytriton")  # locate without importing (it wants numpy<2)
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        server = Path(root) / "tritonserver"
+        if (server / "bin" / "tritonserver").is_file() and (server / "backends/python").is_dir():
+            return server
+    raise FileNotFoundError(
+        f"no tritonserver binary found (searched {roots or 'nothing: pytriton is not installed'});"
+        f" install it with `{sys.executable} -m pip install --no-deps {PYTRITON_REQUIREMENT}`"
+    )
+
+
+def pytriton_libs(server_dir: Path | None = None) -> Path:
+    """The wheel's bundled shared libraries (``libtritonserver``, ``libcudart``, ...)."""
+    libs = (server_dir or find_pytriton()).parent.parent / "nvidia_pytriton.libs"
+    if not libs.is_dir():
+        raise FileNotFoundError(f"{libs} is missing: reinstall {PYTRITON_REQUIREMENT}")
+    return libs
+
+
+def prepare_backend_dir(dest: Path, python_version: str = "3.11") -> Path:
+    """Build (once) a ``--backend-directory``: ``dest/python/`` holds the Python backend and the
+    stub for ``python_version``. Files are replaced atomically and only when their size or
+    mtime differ, so repeated and concurrent calls are cheap and safe. Returns ``dest``."""
+    server = find_pytriton()
+    stub = server / "python_backend_stubs" / python_version / _STUB
+    if not stub.is_file():
+        have = sorted(p.name for p in (server / "python_backend_stubs").iterdir())
+        raise FileNotFoundError(f"no backend stub for Python {python_version} (have {have})")
+    target_dir = Path(dest) / "python"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    for src in [server / "backends" / "python" / name for name in _BACKEND_FILES] + [stub]:
+        target, st = target_dir / src.name, src.stat()
+        with contextlib.suppress(FileNotFoundError):
+            cur = target.stat()
+            if (cur.st_size, cur.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
+                continue
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        shutil.copy2(src, tmp)  # keeps the mode (the stub is executable) and the mtime
+        os.replace(tmp, target)
+    return Path(dest)
+
+
+def server_command(
+    model_repositories: list[Path],
+    backend_dir: Path,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    log_verbose: int = 0,
+    *,
+    exit_timeout_secs: int = 30,
+) -> list[str]:
+    """The ``tritonserver`` command line: every endpoint on 127.0.0.1; all models loaded at
+    start (``--model-control-mode=none``, the default); exit if one fails to load. On
+    SIGINT/SIGTERM the server waits up to ``exit_timeout_secs`` for open HTTP connections,
+    in-flight requests and model unloads before it gives up (exit code 1)."""
+    cmd = [str(find_pytriton() / "bin" / "tritonserver")]
+    cmd += [f"--model-repository={Path(repo).resolve()}" for repo in model_repositories]
+    return [
+        *cmd,
+        f"--backend-directory={Path(backend_dir).resolve()}",
+        "--http-address=127.0.0.1",
+        f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        "--metrics-address=127.0.0.1",
+        f"--metrics-port={metrics_port}",
+        "--exit-on-error=true",
+        "--strict-readiness=true",
+        f"--exit-timeout-secs={exit_timeout_secs}",
+        f"--log-verbose={log_verbose}",
+    ]
+
+
+def _numpy_version(directory: Path) -> str | None:
+    """Version of the numpy package directly inside ``directory`` (``None`` if absent)."""
+    if not (directory / "numpy" / "__init__.py").is_file():
+        return None
+    for info in directory.glob("numpy-*.dist-info"):
+        return info.name[len("numpy-") : -len(".dist-info")]
+    match = re.search(
+        r"""^version\s*=\s*['"]([^'"]+)""", _read(directory / "numpy/version.py"), re.M
+    )
+    return match.group(1) if match else "unknown"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def server_env(extra_pythonpath: list[str]) -> dict[str, str]:
+    """Environment for ``tritonserver`` (a copy of ``os.environ`` plus):
+
+    * ``LD_LIBRARY_PATH``: the wheel's libraries (the copied stub and backend lose their
+      ``$ORIGIN`` rpath; without them the stub cannot start and the server hangs), then this
+      interpreter's ``libpython`` directory, so the stub embeds the very Python of this
+      environment instead of the system's ``libpython3.X``;
+    * :data:`SYS_PATH_ENV`: the directories each ``model.py`` prepends to ``sys.path``.
+
+    Raises ``ValueError`` if the first numpy found along ``extra_pythonpath`` is 2.x.
+    """
+    for directory in extra_pythonpath:
+        version = _numpy_version(Path(directory))
+        if version is not None:
+            if version.split(".")[0] != "1":
+                raise ValueError(
+                    f"the stub would import numpy {version} from {directory}; it needs numpy<2: "
+                    f'`pip install --no-deps --target DIR "numpy<2"` and put DIR first'
+                )
+            break
+    env = dict(os.environ)
+    ld_path = [str(pytriton_libs())]
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        ld_path.append(libdir)
+    ld_path += [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+    env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(ld_path))
+    env[SYS_PATH_ENV] = os.pathsep.join(str(p) for p in extra_pythonpath)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TritonServer:
+    """A ``tritonserver`` child process, used as a context manager::
+
+        with TritonServer([repo, ensembles], backend_dir, extra_pythonpath=paths) as server:
+            requests.post(f"{server.http_url}/v2/models/ensemble/generate", json=...)
+
+    Free ports are picked at start (and picked again if one was taken meanwhile). The server
+    runs in its own process group. :meth:`stop` sends SIGINT (graceful: in-flight requests
+    finish within ``exit_timeout`` s, models' ``finalize()`` run, stubs exit), then SIGKILLs
+    the whole group so no stub outlives it. If this process dies without stopping it, the
+    server gets SIGTERM (``setpriv --pdeathsig``; it follows the *thread* that called
+    :meth:`start`, so start it from a thread that lives as long as the server).
+    """
+
+    def __init__(
+        self,
+        model_repositories: Sequence[Path],
+        backend_dir: Path,
+        *,
+        extra_pythonpath: Sequence[str] = (),
+        log_path: Path | None = None,
+        log_verbose: int = 0,
+        start_timeout: float = 120.0,
+        exit_timeout: int = 10,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.model_repositories = [Path(p) for p in model_repositories]
+        self.backend_dir = Path(backend_dir)
+        self.extra_pythonpath = [str(p) for p in extra_pythonpath]
+        self.log_path = Path(log_path) if log_path else self.backend_dir / "tritonserver.log"
+        self.log_verbose = log_verbose
+        self.start_timeout = start_timeout
+        self.exit_timeout = exit_timeout
+        self.extra_args = list(extra_args)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.http_port = self.grpc_port = self.metrics_port = 0
+
+    @property
+    def http_url(self) -> str:
+        """``http://127.0.0.1:<port>``: KServe v2 HTTP, ``generate`` and ``generate_stream``."""
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``127.0.0.1:<port>``, the form ``tritonclient.grpc`` expects (no scheme)."""
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://127.0.0.1:<port>/metrics`` (Prometheus text)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self) -> None:
+        """Launch the server and block until ``/v2/health/ready`` answers 200."""
+        if self.process is not None:
+            raise RuntimeError("server already started")
+        env = server_env(self.extra_pythonpath)
+        for _attempt in range(3):
+            if self._launch(env):
+                return
+        raise RuntimeError(f"no free ports for tritonserver; log {self.log_path}")
+
+    def _launch(self, env: dict[str, str]) -> bool:
+        ports: set[int] = set()
+        while len(ports) < 3:
+            ports.add(free_port())
+        self.http_port, self.grpc_port, self.metrics_port = sorted(ports)
+        cmd = server_command(
+            self.model_repositories,
+            self.backend_dir,
+            self.http_port,
+            self.grpc_port,
+            self.metrics_port,
+            self.log_verbose,
+            exit_timeout_secs=self.exit_timeout,
+        )
+        setpriv = shutil.which("setpriv")  # util-linux
+        if setpriv:
+            cmd = [setpriv, "--pdeathsig", "SIGTERM", "--", *cmd]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                cmd + self.extra_args,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group, shared with the stubs
+            )
+        deadline = time.monotonic() + self.start_timeout
+        while not self.is_ready():
+            code = self.process.poll()
+            # A taken port is logged as "failed to start ... service", but the server lingers.
+            failed = "failed to start" in _read(self.log_path)
+            if code is not None or failed or time.monotonic() > deadline:
+                self.stop()
+                if failed and "already in use" in _read(self.log_path):
+                    return False
+                why = "timed out" if code is None and not failed else f"failed (exit code {code})"
+                raise RuntimeError(
+                    f"tritonserver start-up {why}; {self.log_path}:\n{self.log_excerpt()}"
+                )
+            time.sleep(0.1)
+        return True
+
+    def log_excerpt(self, lines: int = 30) -> str:
+        """The server log's error lines (``E...``) followed by its last ``lines`` lines."""
+        text = _read(self.log_path).splitlines()
+        errors = [ln for ln in text if re.match(r"E\d{4} ", ln) and "CUDA" not in ln.upper()]
+        return "\n".join([*errors[:20], "...", *text[-lines:]])
+
+    def is_ready(self) -> bool:
+        """True when ``GET /v2/health/ready`` answers 200 (all models loaded). A stub that
+        crashes later does *not* make the server or its model unready."""
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> int | None:
+        """SIGINT, wait up to ``exit_timeout`` + 10 s, then SIGKILL the whole process group.
+        Returns the server's exit code (``None`` if it was not running)."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(self.exit_timeout + 10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers (stubs) of the group
+        return proc.wait()
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
