@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.layers.sampler import SampleRequest, Sampler, SamplingMetadata
+from pagedllm.layers.sampler import Sampler, SampleRequest, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 BATCH = 64
@@ -45,9 +45,17 @@ def rows(kind: str, vocab: int) -> list[SampleRequest]:
             gen = None
         else:
             params = SamplingParams(
-                temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                presence_penalty=0.5, frequency_penalty=0.3, min_tokens=200, max_tokens=256,
-                seed=i if i % 2 else None, logprobs=5,
+                temperature=0.8,
+                top_k=50,
+                top_p=0.9,
+                min_p=0.05,
+                repetition_penalty=1.1,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+                min_tokens=200,
+                max_tokens=256,
+                seed=i if i % 2 else None,
+                logprobs=5,
             )
             gen = torch.Generator().manual_seed(i) if i % 2 else None
         out.append(SampleRequest(params, prompt, output, gen, stop_ids=(2,)))
@@ -75,8 +83,9 @@ def decode_step_ms(model: str, iters: int) -> float:
     vocab = eng.config.model.vocab_size
     for i in range(BATCH):
         prompt = [rng.randrange(100, vocab) for _ in range(384)]
-        eng.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=200,
-                                                       ignore_eos=True))
+        eng.add_request(
+            str(i), prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        )
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.requests.values()):
         eng.step()
     return _time(eng.step, iters) * 1e3
@@ -97,16 +106,21 @@ def main() -> None:
     greedy = sampler_ms("greedy", vocab, args.iters)
     full = sampler_ms("all", vocab, args.iters)
     step = decode_step_ms(args.model, max(5, args.iters // 4))
-    print(json.dumps({
-        "batch": BATCH,
-        "vocab": vocab,
-        "sampler_ms_greedy": round(greedy, 2),
-        "sampler_ms_all_features": round(full, 2),
-        "decode_step_ms_fp32": round(step, 1),
-        "fraction_all_features": round(full / step, 3),
-        "fraction_greedy": round(greedy / step, 3),
-        "target_fraction": 0.10,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "batch": BATCH,
+                "vocab": vocab,
+                "sampler_ms_greedy": round(greedy, 2),
+                "sampler_ms_all_features": round(full, 2),
+                "decode_step_ms_fp32": round(step, 1),
+                "fraction_all_features": round(full / step, 3),
+                "fraction_greedy": round(greedy / step, 3),
+                "target_fraction": 0.10,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

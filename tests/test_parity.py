@@ -105,3 +105,16 @@ def test_eos_stops_like_hf(checkpoints: dict[str, Path], oracle: dict) -> None:
     reasons = [o.outputs[0].finish_reason for o in outs]
     assert reasons == ["stop" if r[-1] == eos else "length" for r in ref_eos]
     assert "stop" in reasons
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_each_attention_backend(
+    arch: str, backend: str, checkpoints: dict[str, Path], oracle: dict
+) -> None:
+    """The pure-PyTorch reference and the C++ decode kernel, each forced, with chunked prefill
+    (mixed decode + prefill steps) and a sliding window (mistral)."""
+    prompts = random_prompts(8, (10, 60), TINY["vocab_size"], seed=8)
+    llm, got = run(checkpoints[arch], prompts, attention_backend=backend, max_num_batched_tokens=20)
+    assert llm.engine.runner.backend.name == backend
+    assert got == hf_greedy(oracle[arch], prompts, MAX_NEW, eos=None)

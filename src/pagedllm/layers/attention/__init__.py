@@ -10,6 +10,7 @@ from pagedllm.layers.attention.base import AttentionBackend, StepInputs
 # name -> "module:Class", imported on first use
 _BACKENDS = {
     "torch": "pagedllm.layers.attention.torch_ref:TorchAttentionBackend",
+    "cpu": "pagedllm.layers.attention.cpu_backend:CpuAttentionBackend",
 }
 
 
@@ -18,9 +19,13 @@ def available_backends() -> list[str]:
 
 
 def create_attention_backend(name: str, device: str = "cpu") -> AttentionBackend:
-    """`auto` picks the pure-PyTorch backend on the CPU."""
+    """`auto` picks, on the CPU, the C++ decode kernel when it builds here (compiled once per
+    machine, ~40 s, then cached), else the pure-PyTorch backend."""
     if name == "auto":
-        name = "torch"
+        from pagedllm.layers.attention import cpu_kernels
+
+        on_cpu = device == "cpu"
+        name = "cpu" if on_cpu and cpu_kernels.kernel_available() else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
     module_name, cls_name = _BACKENDS[name].split(":")

@@ -1,8 +1,11 @@
 """C++ paged decode attention for the CPU, compiled on first use with `load_inline`.
 
 The kernel reads each request's keys/values straight from the paged cache (no gather into a
-padded tensor): one task per (request, KV head) scores the `group` query heads of that KV head
-against each key once, with an online softmax in fp32 over tiles of keys.
+padded tensor). Tasks are (request, KV head) pairs spread over the threads by
+`at::parallel_for`; a thread attends its consecutive tasks of one request in a single pass over
+the keys (each cache slot read as one contiguous run), and each key is loaded once for the
+`group` query heads of its KV head. Online softmax in fp32 over tiles of 32 keys; fp32, bf16
+and fp16 caches, accumulation in fp32, head_dim a multiple of 16 up to 256.
 
 Built with `-O3 -march=native`, so the extension's name carries a hash of the source, the
 flags, the torch version and the CPU's identity: another CPU (or source) compiles its own.
@@ -27,7 +30,10 @@ MAX_GROUP = 16  # query heads per KV head
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno") + (
+    # gcc tunes recent x86 for 256-bit vectors; the kernel's 16-lane vectors want 512
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+)
 _LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (same soname)
 
 _CPP_SOURCE = r"""
@@ -40,10 +46,14 @@ _CPP_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-// GCC/Clang vector extensions: 16 fp32 lanes, lowered to whatever SIMD the CPU has.
+// GCC/Clang vector extensions: 16 fp32 lanes, lowered to whatever SIMD the CPU has
+// (intrinsics only where gcc lowers a 16-bit -> fp32 conversion poorly).
 constexpr int64_t kLanes = 16;
 typedef float fvec __attribute__((vector_size(64)));
 typedef float fvec8 __attribute__((vector_size(32)));
@@ -104,13 +114,21 @@ inline V load_raw(const void* p) {
 inline fvec load(const float* p) { return load_raw<fvec>(p); }
 
 inline fvec load(const at::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return bit_cast<fvec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
   return bit_cast<fvec>(__builtin_convertvector(load_raw<u16vec>(p), u32vec) << 16);
+#endif
 }
 
 inline fvec load(const at::Half* p) {
-#if defined(__FLT16_MAX__)
-  typedef _Float16 hvec __attribute__((vector_size(32)));
-  return __builtin_convertvector(load_raw<hvec>(p), fvec);
+#if defined(__AVX512F__)
+  return bit_cast<fvec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  const auto* h = reinterpret_cast<const __m128i*>(p);
+  return bit_cast<fvec>(std::array<__m256, 2>{_mm256_cvtph_ps(_mm_loadu_si128(h)),
+                                              _mm256_cvtph_ps(_mm_loadu_si128(h + 1))});
 #else
   fvec v;
   for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
@@ -118,9 +136,24 @@ inline fvec load(const at::Half* p) {
 #endif
 }
 
-template <typename scalar_t>
-inline void store(scalar_t* p, fvec v) {
-  for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<scalar_t>(v[l]);
+// 16 fp32 values rounded to the cache dtype (to nearest even, like c10's conversions).
+inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(at::BFloat16* p, fvec v) {
+  const auto bits = bit_cast<u32vec>(v);
+  const u32vec rounded = bits + (((bits >> 16) & 1) + 0x7fff);
+  const u32vec word = (v == v) ? rounded : u32vec{} + 0x7fc00000;  // NaN: canonical NaN
+  const u16vec half = __builtin_convertvector(word >> 16, u16vec);
+  std::memcpy(p, &half, sizeof(half));
+}
+
+inline void store(at::Half* p, fvec v) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm512_cvtps_ph(bit_cast<__m512>(v), _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(p, &h, sizeof(h));
+#else
+  for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<at::Half>(v[l]);
+#endif
 }
 
 inline float hsum(fvec v) {
@@ -346,10 +379,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   check_inputs(out, q, kv_cache, block_tables, context_lens);
   const int64_t window = std::max<int64_t>(sliding_window, 0);
   check_tables(block_tables, context_lens, kv_cache.size(1), kv_cache.size(0), window);
+  const auto launch_as = [&](auto dtype_tag) {
+    launch<decltype(dtype_tag)>(out, q, kv_cache, block_tables, context_lens, scale, window);
+  };
   switch (q.scalar_type()) {
-    case torch::kFloat: return launch<float>(out, q, kv_cache, block_tables, context_lens, scale, window);
-    case torch::kBFloat16: return launch<at::BFloat16>(out, q, kv_cache, block_tables, context_lens, scale, window);
-    case torch::kHalf: return launch<at::Half>(out, q, kv_cache, block_tables, context_lens, scale, window);
+    case torch::kFloat: return launch_as(float{});
+    case torch::kBFloat16: return launch_as(at::BFloat16{});
+    case torch::kHalf: return launch_as(at::Half{});
     default: TORCH_CHECK(false, "paged_decode_attention: fp32, bf16 or fp16 only");
   }
 }

@@ -1,0 +1,229 @@
+"""The C++ CPU paged decode kernel and the `cpu` backend against plain PyTorch attention and
+the reference backend. The first test run compiles the kernel (about a minute)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch.utils.cpp_extension import is_ninja_available
+
+from pagedllm.layers.attention import StepInputs, cpu_kernels
+from pagedllm.layers.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
+
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler found"
+    ),
+    pytest.mark.skipif(not is_ninja_available(), reason="ninja missing: pip install ninja"),
+]
+
+# bf16/fp16: the kernel accumulates in fp32 like the oracle, the rest is output rounding
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert cpu_kernels.load_kernels() is not None, "kernel build failed (see the log)"
+
+
+def random_tables(
+    lens: list[int], block_size: int, gen: torch.Generator, spare: int = 7
+) -> tuple[torch.Tensor, int]:
+    """Shuffled, non-contiguous block tables (padded with 0) and the pool size they need."""
+    counts = [-(-n // block_size) for n in lens]
+    num_blocks = sum(counts) + spare
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(max(counts), 1), dtype=torch.int64)
+    used = 0
+    for r, c in enumerate(counts):
+        tables[r, :c] = ids[used : used + c]
+        used += c
+    return tables, num_blocks
+
+
+def plain_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: list[int],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Softmax attention in fp32, one request at a time, keys looked up slot by slot."""
+    block_size, kv_heads = kv_cache.shape[1], kv_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    slots_kv = kv_cache.flatten(0, 1).float()
+    out = torch.empty(q.shape)
+    for r, n in enumerate(lens):
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        kv = slots_kv[tables[r, pos // block_size] * block_size + pos % block_size]
+        k, v = kv[:, 0].repeat_interleave(group, 1), kv[:, 1].repeat_interleave(group, 1)
+        probs = (torch.einsum("hd,thd->ht", q[r].float(), k) * scale).softmax(-1)
+        out[r] = torch.einsum("ht,thd->hd", probs, v)
+    return out
+
+
+def run_kernel(
+    lens: list[int],
+    block_size: int,
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    kv_heads: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, oracle output) on random inputs; q is a strided view of a qkv buffer."""
+    gen = torch.Generator().manual_seed(sum(lens) + block_size + head_dim + group)
+    tables, num_blocks = random_tables(lens, block_size, gen)
+    shape = (num_blocks, block_size, 2, kv_heads, head_dim)
+    kv_cache = torch.randn(shape, generator=gen).to(dtype)
+    heads = kv_heads * group
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    q, scale = qkv[:, :heads], head_dim**-0.5
+    out = torch.empty(q.shape, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int64)
+    cpu_kernels.paged_decode_attention(out, q, kv_cache, tables, ctx, scale, window)
+    return out, plain_attention(q, kv_cache, tables, lens, scale, window)
+
+
+@pytest.mark.parametrize("dtype", list(ATOL))
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_kernel_matches_plain_attention(
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    # ragged: 1 token, exactly one block, one past a block boundary, several tiles of keys
+    bs = block_size
+    lens = [1, bs, bs + 1, 3 * bs + 5, 37, 70]
+    out, expected = run_kernel(lens, block_size, head_dim, group, dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", list(ATOL))
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_kernel_sliding_window(window: int, dtype: torch.dtype) -> None:
+    # contexts shorter than, equal to and longer than the window
+    lens = [1, 4, 5, 6, 40, 41, 100]
+    out, expected = run_kernel(lens, 8, 64, 3, dtype, window=window)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+def test_kernel_other_head_dims() -> None:
+    for head_dim in (16, 80, 256):
+        out, expected = run_kernel([3, 50], 16, head_dim, 2, torch.float32, kv_heads=3)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_output_rounds_like_torch(dtype: torch.dtype) -> None:
+    # zero queries, two keys: the output is (v0 + v1) / 2, exact in fp32, then rounded
+    values = (torch.randn(2, 64) * 100).to(dtype)
+    values[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    kv_cache = torch.zeros(1, 2, 2, 1, 64, dtype=dtype)
+    kv_cache[0, :, 1, 0] = values
+    out = torch.empty(1, 1, 64, dtype=dtype)
+    q, tables, ctx = torch.zeros(1, 1, 64, dtype=dtype), torch.tensor([[0]]), torch.tensor([2])
+    cpu_kernels.paged_decode_attention(out, q, kv_cache, tables, ctx, 1.0)
+    expected = ((values[0].float() + values[1].float()) * 0.5).to(dtype)
+    torch.testing.assert_close(out[0, 0], expected, atol=0, rtol=0, equal_nan=True)
+
+
+def test_kernel_empty_context_gives_zeros() -> None:
+    out, _ = run_kernel([0, 5], 4, 64, 2, torch.float32)
+    assert out[0].eq(0).all() and out[1].abs().sum() > 0
+
+
+def test_kernel_rejects_bad_inputs() -> None:
+    kv_cache = torch.zeros(4, 8, 2, 2, 64)
+    q, out = torch.zeros(1, 4, 64), torch.empty(1, 4, 64)
+    ctx = torch.tensor([9])
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.paged_decode_attention(out, q, kv_cache, torch.tensor([[0, 4]]), ctx, 1.0)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        cpu_kernels.paged_decode_attention(out, q, kv_cache, torch.tensor([[0]]), ctx, 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.paged_decode_attention(
+            out, q.bfloat16(), kv_cache, torch.tensor([[0, 1]]), ctx, 1.0
+        )
+    assert not cpu_kernels.supports(torch.zeros(1, 4, 72), torch.zeros(4, 8, 2, 2, 72))
+
+
+def make_step(
+    requests: list[tuple[int, int]], block_size: int, window: int | None, seed: int = 0
+) -> tuple[StepInputs, int]:
+    """A step over `requests` = [(cached prefix, new tokens)], decodes first, as the model
+    runner builds it; and the pool size."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [p + n for p, n in requests]
+    tables, num_blocks = random_tables(lens, block_size, gen)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in requests])
+    owner = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(requests)])
+    slots = tables[owner, positions // block_size] * block_size + positions % block_size
+    starts = [0]
+    for _, n in requests:
+        starts.append(starts[-1] + n)
+    step = StepInputs(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=starts,
+        context_lens=lens,
+        block_tables=tables,
+        num_decodes=sum(n == 1 for _, n in requests),
+        logits_indices=torch.tensor(starts[1:]) - 1,
+        block_size=block_size,
+        sliding_window=window,
+    )
+    return step, num_blocks
+
+
+def compare_backends(
+    requests: list[tuple[int, int]], dtype: torch.dtype, window: int | None, head_dim: int = 64
+) -> None:
+    block_size, heads, kv_heads = 8, 6, 2
+    step, num_blocks = make_step(requests, block_size, window)
+    gen = torch.Generator().manual_seed(1)
+    n = len(step.positions)
+    cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, head_dim)
+    outs, caches = [], []
+    for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
+        layer_cache = cache.clone()
+        meta = backend.build_metadata(step)
+        outs.append(backend.forward(q, kv, layer_cache, meta, head_dim**-0.5))
+        caches.append(layer_cache)
+    assert torch.equal(caches[0], caches[1])
+    assert outs[1].shape == (n, heads, head_dim) and outs[1].dtype == dtype
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_backend_mixed_batch_matches_reference(dtype: torch.dtype, window: int | None) -> None:
+    # 3 decodes (one on its first token), then two prefill chunks (one with a cached prefix)
+    compare_backends([(0, 1), (8, 1), (20, 1), (11, 9), (0, 5)], dtype, window)
+
+
+@pytest.mark.parametrize("requests", [[(3, 1), (16, 1)], [(0, 4)], [(5, 7), (0, 3)]])
+def test_backend_decodes_only_or_prefills_only(requests: list[tuple[int, int]]) -> None:
+    compare_backends(requests, torch.float32, None)
+
+
+def test_backend_falls_back_for_unsupported_head_dim() -> None:
+    compare_backends([(9, 1), (4, 3)], torch.float32, None, head_dim=72)
+
+
+def test_disabled_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNEL", "0")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert not CpuAttentionBackend().kernel_available
+    with pytest.raises(RuntimeError, match="unavailable"):
+        run_kernel([3], 4, 64, 1, torch.float32)
+    compare_backends([(9, 1), (4, 3)], torch.float32, None)
