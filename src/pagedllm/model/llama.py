@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.attention import AttentionBackend
+from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -119,14 +119,25 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         eps = cfg.rms_norm_eps
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None  # the stream the layers add to, as in vLLM
         for i, w in enumerate(self._weights):
-            h = F.rms_norm(x, w.ln1.shape, w.ln1, eps)
-            x = x + _attention(h, w, ctx, ctx.kv_caches[i], cfg)
-            h = F.rms_norm(x, w.ln2.shape, w.ln2, eps)
-            gate, up = F.linear(h, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down_w, w.down_b)
-        x = F.rms_norm(x[logits_indices], self.norm.weight.shape, self.norm.weight, eps)
-        return F.linear(x, self.lm_head.weight).float()
+            x, residual = _add_rms_norm(x, residual, w.ln1, eps)
+            x = _attention(x, w, ctx, ctx.kv_caches[i], cfg)
+            x, residual = _add_rms_norm(x, residual, w.ln2, eps)
+            gate_up = F.linear(x, w.gate_up_w, w.gate_up_b)
+            x = F.linear(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b)
+        x, _ = _add_rms_norm(x, residual, self.norm.weight, eps)
+        return F.linear(x[logits_indices], self.lm_head.weight).float()
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x); the first call (no residual yet) starts it as x.
+    Fused on the CPU (may overwrite x and residual in place)."""
+    if residual is None:
+        return cpu_kernels.rms_norm(x, weight, eps), x
+    return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def _attention(

@@ -7,6 +7,12 @@ the keys (each cache slot read as one contiguous run), and each key is loaded on
 `group` query heads of its KV head. Online softmax in fp32 over tiles of 32 keys; fp32, bf16
 and fp16 caches, accumulation in fp32, head_dim a multiple of 16 up to 256.
 
+The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
+`fused_add_rms_norm`, `silu_and_mul`): one pass per row in fp32, rounded once to the dtype,
+rows spread over threads only above ~16k elements (a decode of one row stays on the caller's
+thread). Their wrappers fall back to plain PyTorch for what the kernels do not handle
+(no extension, another device or dtype, a layout that cannot be written in place).
+
 Built with `-O3 -march=native`, so the extension's name carries a hash of the source, the
 flags, the torch version and the CPU's identity: another CPU (or source) compiles its own.
 If the build fails (no compiler, no `ninja`, ...) `load_kernels()` returns None once with a
@@ -23,6 +29,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ _CPP_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -389,6 +397,208 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
     default: TORCH_CHECK(false, "paged_decode_attention: fp32, bf16 or fp16 only");
   }
 }
+
+// ---- Fused elementwise ops of the decoder layers: RMSNorm (optionally after the residual
+// add) and SiLU-and-mul. Row-wise over 2-D tensors whose rows are contiguous, in fp32, each
+// result rounded once to the tensor dtype.
+
+namespace {
+
+typedef int32_t i32vec __attribute__((vector_size(64)));
+
+// A call smaller than this many elements (per thread) runs on the calling thread alone.
+constexpr int64_t kElementwiseGrain = 16384;
+
+int64_t row_grain(int64_t cols) {
+  return std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(cols, 1));
+}
+
+// exp(x) on 16 lanes (the Cephes polynomial of exp_nonpositive), x clamped to [-87, 88].
+inline fvec exp_vec(fvec x) {
+  const fvec kRound = fvec{} + 12582912.f;
+  x = x < -87.f ? fvec{} - 87.f : x;
+  x = x > 88.f ? fvec{} + 88.f : x;
+  const fvec shifted = x * 1.44269504088896341f + kRound;
+  const fvec n = shifted - kRound;
+  const i32vec ni = bit_cast<i32vec>(shifted) - bit_cast<i32vec>(kRound);
+  const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = fvec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * bit_cast<fvec>((ni + 127) << 23);
+}
+
+template <typename scalar_t>
+inline float to_float(scalar_t v) { return static_cast<float>(v); }
+
+template <typename scalar_t>
+float sum_squares(const scalar_t* x, int64_t n) {
+  fvec acc0{}, acc1{};
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= n; c += 2 * kLanes) {
+    const fvec a = load(x + c), b = load(x + c + kLanes);
+    acc0 += a * a;
+    acc1 += b * b;
+  }
+  for (; c + kLanes <= n; c += kLanes) {
+    const fvec a = load(x + c);
+    acc0 += a * a;
+  }
+  float s = hsum(acc0 + acc1);
+  for (; c < n; ++c) s += to_float(x[c]) * to_float(x[c]);
+  return s;
+}
+
+// out = (x * rsqrt(mean(x^2) + eps)) * weight, the order of transformers' LlamaRMSNorm.
+template <typename scalar_t>
+void normalize_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t n, float eps) {
+  const float inv = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) store(out + c, (load(x + c) * inv) * load(w + c));
+  for (; c < n; ++c) out[c] = static_cast<scalar_t>((to_float(x[c]) * inv) * to_float(w[c]));
+}
+
+// residual += x (rounded to the dtype), then x = the normalized residual.
+template <typename scalar_t>
+void add_normalize_row(scalar_t* x, scalar_t* res, const scalar_t* w, int64_t n, float eps) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) store(res + c, load(res + c) + load(x + c));
+  for (; c < n; ++c) res[c] = static_cast<scalar_t>(to_float(res[c]) + to_float(x[c]));
+  normalize_row(res, w, x, n, eps);  // the norm of the rounded sum, as unfused
+}
+
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    const fvec g = load(gate + c);
+    store(out + c, g / (1.f + exp_vec(-g)) * load(up + c));
+  }
+  for (; c < n; ++c) {
+    const float g = to_float(gate[c]);
+    out[c] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * to_float(up[c]));
+  }
+}
+
+// Whether the kernels handle t: a CPU tensor of one of their dtypes.
+bool supported(const torch::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return t.device().is_cpu() &&
+         (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf);
+}
+
+// t as rows of its last dim, each contiguous, `stride` apart: 2-D with a unit last stride, or
+// contiguous. False otherwise.
+struct Rows {
+  int64_t rows = 0, cols = 0, stride = 0;
+};
+
+bool as_rows(const torch::Tensor& t, Rows& r) {
+  if (t.dim() == 0 || t.size(-1) == 0 || t.stride(-1) != 1) return false;
+  r.cols = t.size(-1);
+  r.rows = t.numel() / r.cols;
+  if (t.dim() == 2) {
+    r.stride = t.stride(0);
+    return true;
+  }
+  r.stride = r.cols;
+  return t.is_contiguous();
+}
+
+bool norm_weight_ok(const torch::Tensor& x, const torch::Tensor& weight) {
+  return weight.device().is_cpu() && weight.scalar_type() == x.scalar_type() &&
+         weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1);
+}
+
+// Calls f(dtype_tag) for the fp32/bf16/fp16 dtype of t.
+template <typename F>
+void dispatch_float_dtype(const torch::Tensor& t, F&& f) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: return f(float{});
+    case torch::kBFloat16: return f(at::BFloat16{});
+    default: return f(at::Half{});
+  }
+}
+
+}  // namespace
+
+// The three ops return None (false) for what they do not handle (device, dtype, layout,
+// weight), so that the caller falls back to PyTorch without checking first.
+
+std::optional<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  if (!supported(x) || x.dim() == 0 || !norm_weight_ok(x, weight)) return std::nullopt;
+  Rows in;
+  if (!as_rows(x, in)) {
+    x = x.contiguous();
+    if (!as_rows(x, in)) return std::nullopt;  // no columns
+  }
+  auto out = torch::empty(x.sizes(), x.options());
+  dispatch_float_dtype(x, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float feps = static_cast<float>(eps);
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, in.rows, row_grain(in.cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        normalize_row(xp + r * in.stride, wp, op + r * in.cols, in.cols, feps);
+    });
+  });
+  return out;
+}
+
+bool fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  if (!supported(x) || x.dim() == 0 || !norm_weight_ok(x, weight)) return false;
+  if (!residual.device().is_cpu() || residual.scalar_type() != x.scalar_type() ||
+      residual.sizes() != x.sizes())
+    return false;
+  Rows xr, rr;
+  if (!as_rows(x, xr) || !as_rows(residual, rr)) return false;  // not writable in place
+  dispatch_float_dtype(x, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const float feps = static_cast<float>(eps);
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        add_normalize_row(xp + r * xr.stride, rp + r * rr.stride, wp, xr.cols, feps);
+    });
+  });
+  return true;
+}
+
+std::optional<torch::Tensor> silu_and_mul(torch::Tensor gate_up) {
+  if (!supported(gate_up) || gate_up.dim() == 0) return std::nullopt;
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_and_mul: an even number of columns");
+  Rows in;
+  if (!as_rows(gate_up, in)) {
+    gate_up = gate_up.contiguous();
+    if (!as_rows(gate_up, in)) return std::nullopt;  // no columns
+  }
+  auto sizes = gate_up.sizes().vec();
+  const int64_t cols = sizes.back() / 2;
+  sizes.back() = cols;
+  auto out = torch::empty(sizes, gate_up.options());
+  dispatch_float_dtype(gate_up, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, in.rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row(gp + r * in.stride, gp + r * in.stride + cols, op + r * cols, cols);
+    });
+  });
+  return out;
+}
 """
 
 _lock = threading.Lock()
@@ -416,7 +626,7 @@ def _build() -> Any:
     return load_inline(
         name=extension_name(),
         cpp_sources=[_CPP_SOURCE],
-        functions=["paged_decode_attention"],
+        functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul"],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),  # copies: load_inline appends to them
         verbose=False,
@@ -484,4 +694,48 @@ def paged_decode_attention(
     module.paged_decode_attention(
         out, q, kv_cache, block_tables, context_lens, float(scale), sliding_window or 0
     )
+    return out
+
+
+# ---- Fused elementwise ops of the decoder layers (the model calls these on any device: they
+# run the kernel for CPU tensors of a supported dtype, else plain PyTorch).
+
+
+def _module() -> Any | None:
+    try:
+        return _state["module"]
+    except KeyError:
+        return load_kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`(x * rsqrt(mean(x^2, -1) + eps)) * weight` over the last dim, in fp32, rounded once to
+    x's dtype (transformers' LlamaRMSNorm in fp32). A new tensor."""
+    module = _module()
+    out = None if module is None else module.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps) if out is None else out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual = residual + x; x = rms_norm(residual, weight, eps)`: returns (x, residual).
+
+    Consumes its inputs: the kernel overwrites them in place (and returns them), the PyTorch
+    fallback returns new tensors, so use the returned ones. The norm is that of the sum rounded
+    to the dtype, as unfused."""
+    module = _module()
+    if module is not None and module.fused_add_rms_norm(x, residual, weight, eps):
+        return x, residual
+    residual = residual + x
+    return F.rms_norm(residual, weight.shape, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` where `gate, up = gate_up.chunk(2, -1)`, in fp32, rounded once."""
+    module = _module()
+    out = None if module is None else module.silu_and_mul(gate_up)
+    if out is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = F.silu(gate) * up
     return out

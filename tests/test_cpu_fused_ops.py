@@ -1,0 +1,211 @@
+"""The fused CPU elementwise ops of cpu_kernels (RMSNorm, add + RMSNorm, SiLU-and-mul) against
+the plain PyTorch formulas, and the model's fallback when the extension is unavailable."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import is_ninja_available
+
+from conftest import TINY, hf_greedy, hf_model, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.attention import cpu_kernels
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# fp32: ulps of a different summation order (and exp polynomial); 16-bit: the kernels round
+# once from fp32 where the formulas below do too, so at most one rounding step apart
+RTOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+SHAPES = [(1, 576), (32, 576), (5, 37), (3, 16), (0, 64), (2, 3, 48)]
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler found")
+    if not is_ninja_available():
+        pytest.skip("ninja missing: pip install ninja")
+    assert cpu_kernels.load_kernels() is not None, "kernel build failed (see the log)"
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, in fp32 (or fp64) throughout, rounded once."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.to(h.dtype)).to(x.dtype)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.to(torch.promote_types(gate_up.dtype, torch.float32)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    weight = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+    return [x, residual, weight]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    dtype = expected.dtype
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=RTOL[dtype], atol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.usefixtures("kernels")
+def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x, _, weight = inputs(shape, dtype, 0)
+    close(cpu_kernels.rms_norm(x, weight, EPS), hf_rms_norm(x, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.usefixtures("kernels")
+def test_fused_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x, residual, weight = inputs(shape, dtype, 1)
+    expected_residual = residual + x  # rounded to the dtype, as the kernel stores it
+    expected = hf_rms_norm(expected_residual, weight, EPS)
+    out, new_residual = cpu_kernels.fused_add_rms_norm(x, residual, weight, EPS)
+    assert out.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
+    close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.usefixtures("kernels")
+def test_silu_and_mul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 4).to(dtype)
+    close(cpu_kernels.silu_and_mul(gate_up), silu_mul_ref(gate_up))
+
+
+@pytest.mark.usefixtures("kernels")
+def test_fp32_matches_transformers_rms_norm_tightly() -> None:
+    """The parity tests need fp32 RMSNorm equal to transformers' to ~1 ulp."""
+    x, _, weight = inputs((64, 576), torch.float32, 3)
+    for out in (
+        cpu_kernels.rms_norm(x, weight, 1e-6),
+        cpu_kernels.fused_add_rms_norm(x.clone(), torch.zeros_like(x), weight, 1e-6)[0],
+    ):
+        expected = hf_rms_norm(x, weight, 1e-6)
+        assert ((out - expected).abs() / expected.abs()).max().item() <= 1e-6
+
+
+@pytest.mark.usefixtures("kernels")
+def test_silu_extremes() -> None:
+    gate = torch.tensor([[-200.0, -90.0, -20.0, -1.0, 0.0, 1e-4, 1.0, 20.0, 90.0, 200.0] * 2])
+    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1)
+    out = cpu_kernels.silu_and_mul(gate_up)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate), rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_non_contiguous_inputs() -> None:
+    base_x, base_r, weight = inputs((6, 96), torch.float32, 4)
+    # strided rows (a column slice) are used in place; transposed ones fall back
+    x, residual = base_x[:, :48], base_r[:, 48:]
+    expected_residual = residual + x
+    expected = hf_rms_norm(expected_residual, weight[:48], EPS)
+    out, new_residual = cpu_kernels.fused_add_rms_norm(x, residual, weight[:48], EPS)
+    assert new_residual.data_ptr() == residual.data_ptr()
+    close(new_residual, expected_residual)
+    close(out, expected)
+
+    xt, rt = base_x[:, :6].t(), base_r[:, :6].t()  # (6, 6), last stride 96
+    expected_residual = rt + xt
+    out, new_residual = cpu_kernels.fused_add_rms_norm(xt, rt, weight[:6], EPS)
+    close(new_residual, expected_residual)
+    close(out, hf_rms_norm(expected_residual, weight[:6], EPS))
+
+    x3 = base_x.view(2, 3, 96).transpose(0, 1)  # 3-D, not contiguous: copied
+    close(cpu_kernels.rms_norm(x3, weight, EPS), hf_rms_norm(x3, weight, EPS))
+    close(
+        cpu_kernels.rms_norm(base_x.t(), weight[:6], EPS), hf_rms_norm(base_x.t(), weight[:6], EPS)
+    )
+    gate_up = base_x.t()  # (96, 6)
+    close(cpu_kernels.silu_and_mul(gate_up), silu_mul_ref(gate_up))
+    gate_up = base_x[:, 16:64]  # strided rows
+    close(cpu_kernels.silu_and_mul(gate_up), silu_mul_ref(gate_up))
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_unsupported_inputs_fall_back() -> None:
+    x, residual, weight = inputs((4, 32), torch.float64, 5)  # no fp64 kernel
+    close(cpu_kernels.rms_norm(x, weight, EPS), hf_rms_norm(x, weight, EPS))
+    expected = hf_rms_norm(x + residual, weight, EPS)
+    close(cpu_kernels.fused_add_rms_norm(x, residual, weight, EPS)[0], expected)
+    gate_up = torch.randn(4, 64, dtype=torch.float64)
+    close(cpu_kernels.silu_and_mul(gate_up), silu_mul_ref(gate_up))
+    # weight of another dtype than x: PyTorch's promotion, not the kernel
+    x32 = x.float()
+    close(cpu_kernels.rms_norm(x32, weight, EPS), F.rms_norm(x32, weight.shape, weight, EPS))
+
+
+def test_fallback_without_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cpu_kernels._state, "module", None)
+    for dtype in DTYPES:
+        x, residual, weight = inputs((3, 40), dtype, 6)
+        expected_residual = residual + x
+        close(cpu_kernels.rms_norm(x, weight, EPS), hf_rms_norm(x, weight, EPS))
+        out, new_residual = cpu_kernels.fused_add_rms_norm(x, residual, weight, EPS)
+        close(new_residual, expected_residual)
+        close(out, hf_rms_norm(expected_residual, weight, EPS))
+        gate_up = torch.randn(3, 80).to(dtype)
+        close(
+            cpu_kernels.silu_and_mul(gate_up), (lambda g, u: F.silu(g) * u)(*gate_up.chunk(2, -1))
+        )
+
+
+def test_model_without_extension(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model on PyTorch alone (extension unavailable) keeps greedy parity with HF."""
+    monkeypatch.setitem(cpu_kernels._state, "module", None)
+    prompts = random_prompts(4, (5, 30), TINY["vocab_size"], seed=11)
+    llm = LLM(str(checkpoints["llama"]), max_num_batched_tokens=24)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    expected = hf_greedy(hf_model(checkpoints["llama"]), prompts, 12, eos=None)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_kernel_disabled_by_env(checkpoints: dict[str, Path]) -> None:
+    """PAGEDLLM_CPU_KERNEL=0 in a fresh process: no extension, and the model still runs."""
+    script = (
+        "import sys\n"
+        "from pagedllm import LLM, SamplingParams\n"
+        "from pagedllm.layers.attention import cpu_kernels\n"
+        "llm = LLM(sys.argv[1], dtype='bfloat16')\n"
+        "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}],\n"
+        "                   SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),\n"
+        "                   use_tqdm=False)\n"
+        "print(cpu_kernels._state, len(out[0].outputs[0].token_ids))\n"
+    )
+    env = {**os.environ, "PAGEDLLM_CPU_KERNEL": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoints["llama"])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "{'module': None} 4"
