@@ -15,23 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
-from collections.abc import Callable
 
 import torch
+from engine_bench import _time  # sibling script: benchmarks/ is on sys.path when run
 
 from pagedllm.layers.sampler import Sampler, SampleRequest, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 BATCH = 64
-
-
-def _time(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters
 
 
 def rows(kind: str, vocab: int) -> list[SampleRequest]:

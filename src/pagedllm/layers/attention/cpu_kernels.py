@@ -25,6 +25,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from typing import Any
 
@@ -32,6 +34,17 @@ import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
+
+
+def _put_venv_bin_on_path() -> None:
+    """The build runs `ninja` from PATH; pip installs it next to this interpreter, which a
+    virtual environment used without activation (e.g. `.venv/bin/python ...`) lacks on PATH."""
+    bindir = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(bindir, "ninja")):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+_put_venv_bin_on_path()
 
 MAX_GROUP = 16  # query heads per KV head
 MAX_HEAD_DIM = 256
