@@ -25,7 +25,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
-def _to_bool(name: str, value: Any) -> bool:
+def to_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -138,7 +138,7 @@ class SamplingParams:
             "skip_special_tokens",
             "spaces_between_special_tokens",
         ):
-            setattr(self, name, _to_bool(name, getattr(self, name)))
+            setattr(self, name, to_bool(name, getattr(self, name)))
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

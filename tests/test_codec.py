@@ -1,0 +1,109 @@
+"""Request tensors -> prompt + SamplingParams, the way Triton hands them over (numpy arrays
+with a batch dimension; BYTES as object arrays of bytes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pagedllm.serving.codec import RequestError, parse_request
+
+
+def tensors(**inputs: Any) -> Any:
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            arrays[name] = value
+        elif isinstance(value, str | bytes):
+            raw = value.encode() if isinstance(value, str) else value
+            arrays[name] = np.array([[raw]], dtype=np.object_)
+        elif isinstance(value, bool):
+            arrays[name] = np.array([[value]], dtype=np.bool_)
+        elif isinstance(value, int):
+            arrays[name] = np.array([[value]], dtype=np.int32)
+        else:
+            arrays[name] = np.array([[value]], dtype=np.float32)
+    return arrays.get
+
+
+def test_scalars_and_json_merge_scalars_win() -> None:
+    req = parse_request(
+        tensors(
+            text_input="Hello",
+            sampling_parameters=json.dumps(
+                {
+                    "max_tokens": "64",
+                    "temperature": "0.5",
+                    "stop": ["x"],
+                    "ignore_eos": "false",
+                    "top_k": 5,
+                }
+            ),
+            temperature=0.0,
+            stream=True,
+        )
+    )
+    assert req.prompt == "Hello" and req.stream and not req.exclude_input_in_output
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.stop, p.ignore_eos, p.top_k) == (
+        64,
+        0.0,
+        ["x"],
+        False,
+        5,
+    )
+
+
+def test_trtllm_style_inputs() -> None:
+    req = parse_request(
+        tensors(
+            text_input="Hi",
+            max_tokens=8,
+            top_p=0.9,
+            seed=7,
+            min_tokens=2,
+            return_log_probs=True,
+            stop_words=np.array([[b"END", b"\xe5\x81\x9c"]], dtype=np.object_),
+            exclude_input_in_output=True,
+        )
+    )
+    p = req.params
+    assert (p.max_tokens, p.seed, p.min_tokens, p.logprobs) == (8, 7, 2, 0)
+    assert p.top_p == pytest.approx(0.9) and p.stop == ["END", "停"]
+    assert req.exclude_input_in_output and not req.stream
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({}, "text_input is required"),
+        ({"text_input": b"\xff\xfe bad"}, "text_input is not valid UTF-8"),
+        ({"text_input": np.array([[1]], dtype=np.int32)}, "text_input must be a BYTES"),
+        ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "exactly one value"),
+        ({"text_input": "x", "sampling_parameters": "{max_tokens: 3"}, "not valid JSON"),
+        ({"text_input": "x", "sampling_parameters": "[1, 2]"}, "must be a JSON object"),
+        (
+            {"text_input": "x", "sampling_parameters": '{"max_token": 3, "tempreature": 1}'},
+            "unknown sampling parameters: max_token, tempreature",
+        ),
+        ({"text_input": "x", "max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"text_input": "x", "temperature": -1.0}, "temperature must be non-negative"),
+        ({"text_input": "x", "max_tokens": "abc"}, "max_tokens must be an integer"),
+        ({"text_input": "x", "stream": "maybe"}, "stream must be a boolean"),
+        (
+            {"text_input": "x", "top_p": np.array([[0.5, 0.6]], dtype=np.float32)},
+            "top_p must hold exactly one value",
+        ),
+    ],
+)
+def test_bad_requests_get_clear_errors(inputs: dict[str, Any], message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        parse_request(tensors(**inputs))
+
+
+def test_empty_json_and_defaults() -> None:
+    req = parse_request(tensors(text_input="x", sampling_parameters=""))
+    assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and not req.stream
