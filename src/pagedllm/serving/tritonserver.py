@@ -214,6 +214,8 @@ class TritonServer:
         start_timeout: float = 120.0,
         exit_timeout: int = 10,
         extra_args: Sequence[str] = (),
+        ports: tuple[int, int, int] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_repositories = [Path(p) for p in model_repositories]
         self.backend_dir = Path(backend_dir)
@@ -223,6 +225,8 @@ class TritonServer:
         self.start_timeout = start_timeout
         self.exit_timeout = exit_timeout
         self.extra_args = list(extra_args)
+        self.ports = ports  # (http, grpc, metrics); None: free ones
+        self.extra_env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
         self.http_port = self.grpc_port = self.metrics_port = 0
 
@@ -245,17 +249,20 @@ class TritonServer:
         """Launch the server and block until ``/v2/health/ready`` answers 200."""
         if self.process is not None:
             raise RuntimeError("server already started")
-        env = server_env(self.extra_pythonpath)
-        for _attempt in range(3):
+        env = {**server_env(self.extra_pythonpath), **self.extra_env}
+        for _attempt in range(1 if self.ports else 3):
             if self._launch(env):
                 return
         raise RuntimeError(f"no free ports for tritonserver; log {self.log_path}")
 
     def _launch(self, env: dict[str, str]) -> bool:
-        ports: set[int] = set()
-        while len(ports) < 3:
-            ports.add(free_port())
-        self.http_port, self.grpc_port, self.metrics_port = sorted(ports)
+        if self.ports:
+            self.http_port, self.grpc_port, self.metrics_port = self.ports
+        else:
+            ports: set[int] = set()
+            while len(ports) < 3:
+                ports.add(free_port())
+            self.http_port, self.grpc_port, self.metrics_port = sorted(ports)
         cmd = server_command(
             self.model_repositories,
             self.backend_dir,
