@@ -76,10 +76,6 @@ class EngineService:
         self._commands.put(None)
         self._thread.join(timeout)
 
-    @property
-    def num_active(self) -> int:
-        return len(self._callbacks)
-
     def _run(self) -> None:
         stop_seen = False
         while True:

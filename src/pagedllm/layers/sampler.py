@@ -251,17 +251,6 @@ def filter_candidates(
     return vals, idx, fits
 
 
-def filtered_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """(S, V) logits after min_p / top-k / top-p, filtered tokens at -inf: what the sampler
-    draws from (it never builds this tensor; tests and callers that want it do)."""
-    vals, idx, fits = filter_candidates(logits, meta)
-    out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
-    rows = (~fits).nonzero()[:, 0]
-    if len(rows):
-        out[rows] = _filter_full(logits[rows], meta, rows)
-    return out
-
-
 def _sample_filtered(logits: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     vals, idx, fits = filter_candidates(logits, meta)
     tokens = idx.gather(1, _inverse_cdf(vals, u)[:, None])[:, 0]
