@@ -16,10 +16,11 @@ from pagedllm.prepare import prepare_smollm2
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.text import Tokenizer
 from pagedllm.text.detokenizer import (
+    CONTEXT,
     IncrementalDetokenizer,
-    decode_window,
     find_stop,
     stop_holdback,
+    window_text,
 )
 
 TEXTS = [
@@ -108,11 +109,41 @@ def test_byte_fallback_really_splits_characters(tokenizers: dict) -> None:
     tok = tokenizers["byte_fallback_sp"]
     ids = tok.encode("😀", add_special_tokens=False)
     assert len(ids) >= 4  # the emoji is four <0xNN> byte tokens
-    # the first bytes alone are an incomplete character: held back
-    assert decode_window(tok, [], ids[:2]) is None
-    assert decode_window(tok, [], ids) == "😀"
-    # and a flush shows what a full decode shows
-    assert decode_window(tok, [], ids[:2], final=True) == tok.decode(ids[:2])
+    # the first bytes alone are an incomplete character: held back...
+    assert window_text(tok, [], ids[:2]) == ""
+    # ...and emitted by the next call, which sees them in its window
+    assert window_text(tok, ids[:2], ids[2:]) == "😀"
+    # a flush shows what a full decode shows
+    assert window_text(tok, [], ids[:2], final=True) == tok.decode(ids[:2])
+
+
+def stateless(tok: Tokenizer, ids: list[int], chunks: list[int]) -> list[str]:
+    """The Triton detokenizer's view: each call gets only the CONTEXT ids before its chunk."""
+    deltas, i = [], 0
+    for n in chunks:
+        if i >= len(ids):
+            break
+        window = ids[max(0, i - CONTEXT) : i]
+        deltas.append(window_text(tok, window, ids[i : i + n], final=i + n >= len(ids)))
+        i += n
+    return deltas
+
+
+@pytest.mark.parametrize("name", ["byte_level_bpe", "byte_fallback_sp"])
+def test_stateless_windows_equal_full_decode(name: str, tokenizers: dict) -> None:
+    tok = tokenizers[name]
+    rng = random.Random(1)
+    pool = "ab z,.\n éü中文東京😀🚀👨‍👩‍👧"
+    texts = TEXTS + ["".join(rng.choice(pool) for _ in range(30)) for _ in range(20)]
+    cases = [tok.encode(t, add_special_tokens=False) for t in texts]
+    if name == "byte_level_bpe":
+        # arbitrary ids, invalid UTF-8 included. (A byte-fallback decoder turns a whole run of
+        # byte tokens into U+FFFD when any byte is invalid: a later token can change the text
+        # of earlier ones, which no streaming detokenizer can match.)
+        cases += [[rng.randrange(tok.vocab_size) for _ in range(40)] for _ in range(20)]
+    for ids in cases:
+        for chunking in ([1] * len(ids), [rng.randint(1, 5) for _ in ids]):
+            assert "".join(stateless(tok, ids, chunking)) == tok.decode(ids), ids
 
 
 def test_leading_space_of_a_new_token_is_kept(tokenizers: dict) -> None:

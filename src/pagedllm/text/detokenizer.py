@@ -1,11 +1,11 @@
 """Incremental detokenization and stop strings.
 
-`decode_window` is a pure function: given a small left window of previous token ids and the
+`window_text` is a pure function: given a small left window of previous token ids and the
 new ids, it returns the text the new ids add. Decoding the window along with the new ids keeps
 the leading space of SentencePiece / byte-level tokens and joins multi-byte characters split
 across tokens; a trailing U+FFFD (an incomplete UTF-8 character) is held back until the
-character completes. The Triton `detokenizer` model calls it statelessly; `IncrementalDetokenizer`
-keeps the offsets for one request inside the engine.
+character completes. The Triton `detokenizer` model calls it for each streamed response;
+`IncrementalDetokenizer` keeps one request's ids inside the engine.
 """
 
 from __future__ import annotations
@@ -15,33 +15,70 @@ from dataclasses import dataclass, field
 
 from pagedllm.text.tokenizer import Tokenizer
 
-# previous tokens decoded along with new ones: enough for any tokenizer's merge context
+# left context decoded along with new ids: enough for any tokenizer's merge context
 WINDOW = 6
+# an incomplete UTF-8 character has at most 3 bytes, so it ends at most 3 tokens back
+MAX_CHAR_TOKENS = 3
+# ids a caller keeps (or sends) before the new ones for `window_text`
+CONTEXT = WINDOW + MAX_CHAR_TOKENS
 _REPLACEMENT = "\ufffd"
 
 
-def decode_window(
+def _window(
+    tokenizer: Tokenizer, ids: Sequence[int], end: int, skip: bool
+) -> tuple[int, str]:
+    """(start, text): up to WINDOW ids before `end`, minus leading ones inside a character (a
+    byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run starts
+    mid-character), and their text."""
+    start = max(0, end - WINDOW)
+    while True:
+        text = tokenizer.decode(list(ids[start:end]), skip)
+        if start == end or not text.startswith(_REPLACEMENT):
+            return start, text
+        start += 1
+
+
+def _boundary(tokenizer: Tokenizer, ids: Sequence[int], end: int, skip: bool) -> tuple[int, int, str]:
+    """(k, start, text): k, the last character boundary at or before `end`: the text up to
+    ids[:k] does not end inside a character. Looks back at most MAX_CHAR_TOKENS ids (further
+    back, U+FFFD is what the ids really decode to)."""
+    k = end
+    while True:
+        start, text = _window(tokenizer, ids, k, skip)
+        # every id of the window trimmed away: the last ones begin an unfinished character
+        inside = text.endswith(_REPLACEMENT) or start == k > 0
+        if not inside or k == max(0, end - MAX_CHAR_TOKENS):
+            return k, start, text
+        k -= 1
+
+
+def window_text(
     tokenizer: Tokenizer,
     window: Sequence[int],
     new: Sequence[int],
     skip_special_tokens: bool = True,
     final: bool = False,
-) -> str | None:
-    """The text `new` adds after `window`, or None while it ends inside a character (keep the
-    ids pending and call again with more; `final=True` flushes whatever there is)."""
-    prefix = tokenizer.decode(list(window), skip_special_tokens)
-    full = tokenizer.decode([*window, *new], skip_special_tokens)
-    if full.endswith(_REPLACEMENT) and not final:
-        return None
-    # NOTE: `full` extends `prefix` for every tokenizer we serve; a cleanup rule that rewrote
-    # the window's own text would make the two disagree, and then only the growth counts
-    return full[len(prefix) :]
+) -> str:
+    """The text that `new` adds after `window` (the CONTEXT ids before them), statelessly.
+
+    Both ends are cut at character boundaries: ids of a character still incomplete at the end
+    of `window` were held back by the previous call and are emitted now; an incomplete
+    character at the end of `new` is held back (`final=True` flushes it, as U+FFFD, the way a
+    full decode shows it). So the concatenated results of consecutive calls equal
+    `tokenizer.decode(all_ids)` whatever the split."""
+    ids = [*window, *new]
+    left, start, prefix = _boundary(tokenizer, ids, len(window), skip_special_tokens)
+    right = len(ids) if final else _boundary(tokenizer, ids, len(ids), skip_special_tokens)[0]
+    if right <= left:
+        return ""
+    # NOTE: the text of ids[start:right] extends that of ids[start:left] for every tokenizer
+    # we serve; a cleanup rule that rewrote the window's own text would break this
+    return tokenizer.decode(ids[start:right], skip_special_tokens)[len(prefix) :]
 
 
 @dataclass
 class IncrementalDetokenizer:
-    """Per-request state: the output ids seen, the window start and the first id not yet
-    decoded.
+    """One request's text inside the engine: `window_text` over the ids seen so far.
 
     NOTE: the window starts at the first output token, not in the prompt, so the text equals
     `tokenizer.decode(output_ids)` exactly (a SentencePiece decoder strips the leading space
@@ -52,36 +89,15 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    _prefix_offset: int = 0
-    _read_offset: int = 0
 
     def add_tokens(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Append ids; return the text they complete (possibly empty). `final` flushes an
         incomplete trailing character as U+FFFD, as a full decode shows it."""
+        window = self.token_ids[-CONTEXT:]
+        delta = window_text(self.tokenizer, window, new_ids, self.skip_special_tokens, final)
         self.token_ids.extend(new_ids)
-        delta = decode_window(
-            self.tokenizer,
-            self.token_ids[self._prefix_offset : self._read_offset],
-            self.token_ids[self._read_offset :],
-            self.skip_special_tokens,
-            final,
-        )
-        if delta is None:
-            return ""
-        self._read_offset = len(self.token_ids)
-        self._prefix_offset = self._window_start()
         self.text += delta
         return delta
-
-    def _window_start(self) -> int:
-        """The last WINDOW ids, minus leading ones inside a character: a byte-fallback decoder
-        turns a whole run of byte tokens into U+FFFD when the run starts mid-character."""
-        start = max(0, self._read_offset - WINDOW)
-        while start < self._read_offset and self.tokenizer.decode(
-            self.token_ids[start : self._read_offset], self.skip_special_tokens
-        ).startswith(_REPLACEMENT):
-            start += 1
-        return start
 
 
 def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
