@@ -89,3 +89,35 @@ def test_output_kinds(engine: LLMEngine, kind: RequestOutputKind) -> None:
     else:
         assert len(outs) == 6 and outs[-1].outputs[0].token_ids == ids[-6:]
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_detokenize_false_gives_the_same_ids_and_no_text(
+    engine: LLMEngine, kind: RequestOutputKind
+) -> None:
+    def run(detokenize: bool) -> tuple[list[int], str, list]:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=1,
+            output_kind=kind,
+            detokenize=detokenize,
+        )
+        engine.add_request(f"d{detokenize}", "Once upon a time", params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        logprobs = [lp for o in outs for lp in o.outputs[0].logprobs or []]
+        return ids, "".join(o.outputs[0].text for o in outs), logprobs
+
+    ids, text, logprobs = run(True)
+    ids_raw, text_raw, logprobs_raw = run(False)
+    assert ids_raw == ids and text and text_raw == ""
+    assert [{t: lp.logprob for t, lp in d.items()} for d in logprobs_raw] == [
+        {t: lp.logprob for t, lp in d.items()} for d in logprobs
+    ]
+    assert all(lp.decoded_token is None for d in logprobs_raw for lp in d.values())
+    with pytest.raises(ValueError, match="stop strings need detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -96,6 +96,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: token ids only, no text (a caller that decodes elsewhere); stop strings need text
+    detokenize: bool = True
     # accepted for vLLM compatibility; fast tokenizers ignore it, as in vLLM
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -136,6 +138,7 @@ class SamplingParams:
             "include_stop_str_in_output",
             "ignore_eos",
             "skip_special_tokens",
+            "detokenize",
             "spaces_between_special_tokens",
         ):
             setattr(self, name, to_bool(name, getattr(self, name)))
@@ -195,6 +198,7 @@ class SamplingParams:
                 f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters",
             ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (
                 self.seed is None or 0 <= self.seed < 2**63,
                 f"seed must be in [0, 2**63), got {self.seed}",

@@ -54,7 +54,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         params = children[0].sampling_params
         # text is decoded as tokens arrive only when stop strings or streaming need it
-        incremental = bool(params.stop) or params.output_kind != RequestOutputKind.FINAL_ONLY
+        incremental = params.detokenize and (
+            bool(params.stop) or params.output_kind != RequestOutputKind.FINAL_ONLY
+        )
         samples = [
             _Sample(
                 i,
@@ -101,7 +103,7 @@ class OutputProcessor:
             state, sample = self._sample_of[request.request_id]
             lp = result.logprobs.get(request.request_id)
             if lp is not None and sample.logprobs is not None:
-                self._add_logprobs(sample, request.output_token_ids[-1], lp)
+                self._add_logprobs(sample, request.output_token_ids[-1], lp, state.params)
             if self._update(sample, state.params) and not request.status.is_finished:
                 stopped.append(request.request_id)
             touched[state.request_id] = state
@@ -149,7 +151,7 @@ class OutputProcessor:
         if finished and sample.finish_reason is None:
             sample.finish_reason = status.finish_reason
             sample.stop_reason = request.stop_token_id
-            if sample.detok is None:
+            if sample.detok is None and params.detokenize:
                 sample.text = self._final_text(request, params)
         return stop_string
 
@@ -162,9 +164,11 @@ class OutputProcessor:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, params.skip_special_tokens)
 
-    def _add_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
+    def _add_logprobs(
+        self, sample: _Sample, token: int, lp: TokenLogprobs, params: SamplingParams
+    ) -> None:
         assert sample.logprobs is not None and sample.cumulative_logprob is not None
-        sample.logprobs.append(self._logprob_dict(token, lp))
+        sample.logprobs.append(self._logprob_dict(token, lp, params.detokenize))
         sample.cumulative_logprob += lp[2]
 
     def _add_prompt_logprobs(
@@ -174,14 +178,20 @@ class OutputProcessor:
         for k, lp in enumerate(entries):
             pos = start + k
             if pos == len(state.prompt_logprobs):  # positions recomputed after a preemption
-                state.prompt_logprobs.append(self._logprob_dict(state.prompt_token_ids[pos], lp))
+                state.prompt_logprobs.append(
+                    self._logprob_dict(state.prompt_token_ids[pos], lp, state.params.detokenize)
+                )
 
-    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+    def _logprob_dict(self, token: int, lp: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
         top_ids, top_vals, chosen, rank = lp
-        out = {token: Logprob(chosen, rank, self.tokenizer.decode([token], False))}
+
+        def text(tid: int) -> str | None:
+            return self.tokenizer.decode([tid], False) if decode else None
+
+        out = {token: Logprob(chosen, rank, text(token))}
         for r, (tid, val) in enumerate(zip(top_ids, top_vals, strict=True), start=1):
             if tid not in out:
-                out[tid] = Logprob(val, r, self.tokenizer.decode([tid], False))
+                out[tid] = Logprob(val, r, text(tid))
         return out
 
     def _output(self, state: _RequestState, force: bool = False) -> RequestOutput | None:
