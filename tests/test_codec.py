@@ -107,3 +107,16 @@ def test_bad_requests_get_clear_errors(inputs: dict[str, Any], message: str) -> 
 def test_empty_json_and_defaults() -> None:
     req = parse_request(tensors(text_input="x", sampling_parameters=""))
     assert req.params.max_tokens == 16 and req.params.temperature == 1.0 and not req.stream
+
+
+def test_input_ids_from_the_tokenizer_model_are_the_prompt() -> None:
+    req = parse_request(tensors(text_input="Hi", input_ids=np.array([[5, 6, 7]], dtype=np.int32)))
+    assert req.prompt == "Hi" and req.prompt_token_ids == [5, 6, 7]
+    assert parse_request(tensors(text_input="Hi")).prompt_token_ids is None
+    with pytest.raises(RequestError, match="input_ids must be integers"):
+        parse_request(tensors(text_input="Hi", input_ids=np.array([[0.5]], dtype=np.float32)))
+
+
+def test_n_above_one_is_refused_with_the_reason() -> None:
+    with pytest.raises(RequestError, match="n must be 1 here"):
+        parse_request(tensors(text_input="Hi", sampling_parameters='{"n": 2}'))

@@ -1,10 +1,14 @@
-"""The model repository on a real tritonserver (nvidia-pytriton wheel, CPU), queried with
-real clients: HTTP generate / generate_stream and tritonclient gRPC streaming."""
+"""The model repository on a real tritonserver (nvidia-pytriton wheel, CPU), queried with real
+clients: the `ensemble` (tokenizer -> llm_engine -> detokenizer) over HTTP generate /
+generate_stream and tritonclient gRPC streaming; the `llm` entry point over KServe v2 infer
+(HTTP and unary gRPC). The oracle is the offline `LLM` API on the same checkpoint."""
 
 from __future__ import annotations
 
 import json
-import queue
+import re
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +18,7 @@ import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.launcher import make_server
 from pagedllm.serving.tritonserver import TritonServer
 
@@ -32,10 +37,26 @@ def server(
 
 
 @pytest.fixture(scope="module")
-def offline(checkpoints: dict[str, Path]) -> str:
-    llm = LLM(str(checkpoints["llama"]), dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+def llm(checkpoints: dict[str, Path]) -> LLM:
+    return LLM(str(checkpoints["llama"]), dtype="float32")
+
+
+def offline_text(llm: LLM, prompt: str = PROMPT, stream: bool = False, **params: Any) -> str:
+    """The offline API's text, or (stream=True) its streamed deltas joined."""
+    params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **params}
+    if not stream:
+        return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+    delta = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+    llm.engine.add_request("offline-stream", prompt, delta)
+    texts = []
+    while llm.engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in llm.engine.step()]
+    return "".join(texts)
+
+
+@pytest.fixture(scope="module")
+def offline(llm: LLM) -> str:
+    return offline_text(llm)
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
@@ -57,80 +78,306 @@ def body(**extra: Any) -> dict[str, Any]:
     }
 
 
+def sse_events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+def metrics(server: TritonServer) -> dict[str, float]:
+    """The vllm:* samples of Triton's metrics endpoint, keyed by name{labels}."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        m = re.match(r"(vllm:\w+)\{([^}]*)\} (\S+)", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            extra = ",".join(f"{k}={v}" for k, v in labels.items() if k not in ("model", "version"))
+            samples[m.group(1) + (f"{{{extra}}}" if extra else "")] = float(m.group(3))
+    return samples
+
+
+def wait_idle(server: TritonServer, timeout: float) -> float:
+    """Seconds until no request runs or waits and no KV block is in use."""
+    start = time.monotonic()
+    while True:
+        m = metrics(server)
+        idle = (
+            m.get("vllm:num_requests_running") == 0
+            and m.get("vllm:num_requests_waiting") == 0
+            and m.get("vllm:kv_cache_usage_perc") == 0
+        )
+        elapsed = time.monotonic() - start
+        if idle or elapsed > timeout:
+            assert idle, m
+            return elapsed
+        time.sleep(0.02)
+
+
+def grpc_inputs(values: dict[str, Any]) -> list[Any]:
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in values.items():
+        if isinstance(value, str | bytes):
+            raw = value.encode() if isinstance(value, str) else value
+            arr, dtype = np.array([raw], dtype=np.object_), "BYTES"
+        elif isinstance(value, bool):
+            arr, dtype = np.array([value], dtype=np.bool_), "BOOL"
+        elif isinstance(value, int):
+            arr, dtype = np.array([value], dtype=np.int32), "INT32"
+        else:
+            arr, dtype = np.array([value], dtype=np.float32), "FP32"
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
+
+
+class GrpcStream:
+    """One streaming request through tritonclient; responses are collected with arrival
+    times. `cancel()` cancels it the way a client does (stop_stream(cancel_requests=True))."""
+
+    def __init__(self, server: TritonServer, values: dict[str, Any], send: bool = True) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.responses: list[tuple[float, dict[str, Any]]] = []
+        self.error: Any = None
+        self.done = threading.Event()
+        self.client.start_stream(callback=self._on_response)
+        self.inputs = grpc_inputs({"stream": True, **values})
+        if send:
+            self.send()
+
+    def send(self) -> None:
+        self.client.async_stream_infer("ensemble", self.inputs, enable_empty_final_response=True)
+
+    def _on_response(self, result: Any, error: Any) -> None:
+        if error is not None:
+            self.error = error
+            self.done.set()
+            return
+        out: dict[str, Any] = {}
+        for name in ("text_output", "finish_reason", "index", "num_output_tokens"):
+            value = result.as_numpy(name)
+            if value is not None:
+                item = value.reshape(-1)[0]
+                out[name] = item.decode() if isinstance(item, bytes) else int(item)
+        if out:
+            self.responses.append((time.monotonic(), out))
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            self.done.set()
+
+    def wait(self, timeout: float = 120) -> str:
+        assert self.done.wait(timeout), "stream did not finish"
+        self.client.stop_stream()
+        assert self.error is None, self.error
+        indexes = [r["index"] for _, r in self.responses]
+        assert indexes == list(range(len(indexes)))  # in order, none lost
+        return "".join(r["text_output"] for _, r in self.responses)
+
+    def cancel(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+
+
+# --- the same text as the offline API, over every protocol -----------------------------------
+
+
 def test_http_generate_matches_offline(server: TritonServer, offline: str) -> None:
-    status, text = post(f"{server.http_url}/v2/models/llm_engine/generate", body())
+    status, text = post(f"{server.http_url}/v2/models/ensemble/generate", body())
     assert status == 200, text
     out = json.loads(text)
     assert out["text_output"] == PROMPT + offline  # the prompt first, as Triton's backends do
     assert out["finish_reason"] == "length" and out["num_output_tokens"] == MAX_TOKENS
+    assert out["num_input_tokens"] > 0
     status, text = post(
-        f"{server.http_url}/v2/models/llm_engine/generate", body(exclude_input_in_output=True)
+        f"{server.http_url}/v2/models/ensemble/generate", body(exclude_input_in_output=True)
     )
     assert json.loads(text)["text_output"] == offline
 
 
 def test_http_generate_stream_concatenates_to_offline(server: TritonServer, offline: str) -> None:
-    status, text = post(
-        f"{server.http_url}/v2/models/llm_engine/generate_stream", body(stream=True)
-    )
+    status, text = post(f"{server.http_url}/v2/models/ensemble/generate_stream", body(stream=True))
     assert status == 200
-    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
-    assert len(events) == MAX_TOKENS
+    events = sse_events(text)
+    assert len(events) == MAX_TOKENS  # one response per generated token
     assert [e["index"] for e in events] == list(range(MAX_TOKENS))
+    assert [e["num_output_tokens"] for e in events] == list(range(1, MAX_TOKENS + 1))
     assert "".join(e["text_output"] for e in events) == offline
-    assert events[-1]["finish_reason"] == "length"
+    assert [e["finish_reason"] for e in events] == [""] * (MAX_TOKENS - 1) + ["length"]
 
 
 def test_grpc_streaming_with_tritonclient(server: TritonServer, offline: str) -> None:
+    stream = GrpcStream(
+        server,
+        {
+            "text_input": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "sampling_parameters": '{"temperature": 0, "ignore_eos": true}',
+        },
+    )
+    assert stream.wait() == offline
+    assert stream.responses[-1][1]["finish_reason"] == "length"
+
+
+def test_kserve_v2_infer_over_http_and_grpc(server: TritonServer, offline: str) -> None:
     import tritonclient.grpc as grpcclient
 
-    results: queue.Queue[Any] = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def tensor(name: str, value: Any, dtype: str) -> Any:
-        arr = np.array([value], dtype=np.object_ if dtype == "BYTES" else None)
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(arr.astype(np.int32) if dtype == "INT32" else arr)
-        return t
-
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
     inputs = [
-        tensor("text_input", PROMPT.encode(), "BYTES"),
-        tensor("max_tokens", MAX_TOKENS, "INT32"),
-        tensor("stream", True, "BOOL"),
-        tensor("sampling_parameters", b'{"temperature": 0, "ignore_eos": true}', "BYTES"),
+        {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [PROMPT]},
+        {"name": "max_tokens", "shape": [1], "datatype": "INT32", "data": [MAX_TOKENS]},
+        {"name": "temperature", "shape": [1], "datatype": "FP32", "data": [0.0]},
+        {"name": "ignore_eos", "shape": [1], "datatype": "BOOL", "data": [True]},
     ]
-    client.async_stream_infer("llm_engine", inputs, enable_empty_final_response=True)
-    texts = []
-    while True:
-        result, error = results.get(timeout=120)
-        assert error is None, error
-        response = result.get_response()
-        if result.as_numpy("text_output") is not None:
-            texts.append(result.as_numpy("text_output")[0].decode())
-        if response.parameters["triton_final_response"].bool_param:
-            break
-    client.stop_stream()
-    assert "".join(texts) == offline
+    status, text = post(f"{server.http_url}/v2/models/llm/infer", {"inputs": inputs})
+    assert status == 200, text
+    outputs = {o["name"]: o["data"] for o in json.loads(text)["outputs"]}
+    assert outputs["text_output"] == [PROMPT + offline]
+    assert outputs["finish_reason"] == ["length"]
+    assert outputs["num_output_tokens"] == [MAX_TOKENS]
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    values = {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    result = client.infer("llm", grpc_inputs({**values, "ignore_eos": True}))
+    assert result.as_numpy("text_output")[0].decode() == PROMPT + offline
+    # an error reaches a unary client as an error, with the reason
+    with pytest.raises(Exception, match="max_tokens must be at least 1"):
+        client.infer("llm", grpc_inputs({**values, "max_tokens": 0}))
 
 
-@pytest.mark.parametrize(
-    ("bad", "message"),
-    [
-        ({"sampling_parameters": "{not json"}, "not valid JSON"),
-        ({"sampling_parameters": '{"max_tokenz": 3}'}, "unknown sampling parameters: max_tokenz"),
-        ({"text_input": ""}, "prompt is empty"),
-        ({"max_tokens": 0}, "max_tokens must be at least 1"),
-        ({"temperature": -1.0}, "temperature must be non-negative"),
-        ({"max_tokens": 10**6}, "exceeds the model's context"),
-    ],
-)
-def test_bad_requests_get_errors_and_the_server_keeps_serving(
-    server: TritonServer, offline: str, bad: dict[str, Any], message: str
+def test_stop_strings_through_the_ensemble(server: TritonServer, llm: LLM) -> None:
+    full = offline_text(llm, max_tokens=24)
+    stop = full[8:11]  # a stop string in the middle of the output (here: random text)
+    expected = offline_text(llm, max_tokens=24, stop=[stop])
+    assert expected == full[: full.index(stop)]
+    params = json.dumps({"ignore_eos": True, "stop": [stop]})
+    _, text = post(
+        f"{server.http_url}/v2/models/ensemble/generate_stream",
+        body(stream=True, max_tokens=24, sampling_parameters=params),
+    )
+    events = sse_events(text)
+    assert "".join(e["text_output"] for e in events) == expected
+    assert events[-1]["finish_reason"] == "stop"
+    _, text = post(
+        f"{server.http_url}/v2/models/ensemble/generate",
+        body(max_tokens=24, sampling_parameters=params, exclude_input_in_output=True),
+    )
+    assert json.loads(text)["text_output"] == expected
+
+
+def test_streamed_text_through_the_detokenizer_equals_the_engines(
+    server: TritonServer, llm: LLM
 ) -> None:
-    status, text = post(f"{server.http_url}/v2/models/llm_engine/generate", {**body(), **bad})
-    assert message in text, (status, text)
+    """The tiny model's random weights emit arbitrary byte-level tokens: characters split
+    across responses, invalid UTF-8. The stateless detokenizer streams what the offline
+    engine streams, and the non-streamed text is tokenizer.decode(ids). (For valid UTF-8 the
+    two are equal: tests/test_detokenizer.py, and test_smollm2_server.py with real output.)"""
+    tok = llm.engine.tokenizer
+    for prompt in ("Grüße aus Köln", "東京は晴れです", "😀🚀", "Paged attention"):
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        ids = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        extra = {"text_input": prompt, "max_tokens": 20}
+        _, text = post(
+            f"{server.http_url}/v2/models/ensemble/generate_stream", body(stream=True, **extra)
+        )
+        deltas = [e["text_output"] for e in sse_events(text)]
+        assert "".join(deltas) == offline_text(llm, prompt, stream=True, max_tokens=20)
+        _, text = post(
+            f"{server.http_url}/v2/models/ensemble/generate",
+            body(**extra, exclude_input_in_output=True),
+        )
+        assert json.loads(text)["text_output"] == tok.decode(ids)
+
+
+# --- concurrency, cancellation, bad input ------------------------------------------------------
+
+
+def test_16_concurrent_streams_interleave_and_match_solo_outputs(
+    server: TritonServer, llm: LLM
+) -> None:
+    prompts = [f"Request {i}: once upon a time" for i in range(16)]
+    lengths = [160 + (i % 4) * 16 for i in range(16)]
+    solo = [
+        offline_text(llm, p, stream=True, max_tokens=n)
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    streams = [
+        GrpcStream(
+            server,
+            {"text_input": p, "max_tokens": n, "temperature": 0.0, "ignore_eos": True},
+            send=False,
+        )
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    for stream in streams:
+        stream.send()
+    texts = [stream.wait() for stream in streams]
+    assert texts == solo
+    # batched, not serialized: every stream had its first token before any stream finished
+    first = max(s.responses[0][0] for s in streams)
+    last = min(s.responses[-1][0] for s in streams)
+    assert first < last
+    assert wait_idle(server, timeout=5) < 5
+
+
+def test_cancelling_a_stream_frees_its_blocks_within_a_second(
+    server: TritonServer, offline: str
+) -> None:
+    aborted = metrics(server).get("vllm:request_success_total{finished_reason=abort}", 0)
+    stream = GrpcStream(
+        server,
+        {"text_input": PROMPT, "max_tokens": 480, "temperature": 0.0, "ignore_eos": True},
+    )
+    while len(stream.responses) < 5:
+        time.sleep(0.005)
+    assert metrics(server)["vllm:kv_cache_usage_perc"] > 0
+    stream.cancel()
+    assert wait_idle(server, timeout=1.0) < 1.0
+    m = metrics(server)
+    assert m["vllm:request_success_total{finished_reason=abort}"] == aborted + 1
+    assert len(stream.responses) < 480
+    # the server is healthy and serves the next request exactly
     status, text = post(
-        f"{server.http_url}/v2/models/llm_engine/generate", body(exclude_input_in_output=True)
+        f"{server.http_url}/v2/models/ensemble/generate", body(exclude_input_in_output=True)
     )
     assert status == 200 and json.loads(text)["text_output"] == offline
+
+
+BAD_REQUESTS = [
+    ({"sampling_parameters": "{not json"}, "not valid JSON"),
+    ({"sampling_parameters": '{"max_tokenz": 3}'}, "unknown sampling parameters: max_tokenz"),
+    ({"text_input": ""}, "prompt is empty"),
+    ({"text_input": "word " * 600}, "the model's context is 512 tokens"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"max_tokens": 10**6}, "exceeds the model's context"),
+    ({"temperature": -1.0}, "temperature must be non-negative"),
+    # refused by Triton's HTTP frontend before any model runs (HTTP 500 there)
+    ({"max_tokens": "many"}, "Unable to parse 'data'"),  # wrong dtype for an INT32 input
+    ({"text_input": None}, "text_input"),  # missing
+]
+
+
+def test_bad_requests_get_errors_while_good_streams_go_on(server: TritonServer, llm: LLM) -> None:
+    import tritonclient.grpc as grpcclient
+
+    good_prompt = "A long good request"
+    expected = offline_text(llm, good_prompt, stream=True, max_tokens=200)
+    good = GrpcStream(
+        server,
+        {"text_input": good_prompt, "max_tokens": 200, "temperature": 0.0, "ignore_eos": True},
+    )
+    for bad, message in BAD_REQUESTS:
+        request = {k: v for k, v in {**body(), **bad}.items() if v is not None}
+        status, text = post(f"{server.http_url}/v2/models/ensemble/generate", request)
+        assert status in (400, 500) and message in text, (bad, status, text)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    # bytes that are not UTF-8
+    with pytest.raises(Exception, match="text_input is not valid UTF-8"):
+        client.infer("llm", grpc_inputs({"text_input": b"\xff\xfe caf\xc3"}))
+    # two prompts in one request: the wrong shape
+    two = grpcclient.InferInput("text_input", [2], "BYTES")
+    two.set_data_from_numpy(np.array([b"a", b"b"], dtype=np.object_))
+    with pytest.raises(Exception, match="text_input"):
+        client.infer("llm", [two])
+    assert good.wait() == expected  # undisturbed
+    assert wait_idle(server, timeout=5) < 5

@@ -12,46 +12,85 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
-import numpy as np  # noqa: E402
+import json  # noqa: E402
+
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.serving.engine_model import EngineModel, engine_config  # noqa: E402
 
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
-def _tensor(name, value):
-    if isinstance(value, str):
-        return pb_utils.Tensor(name, np.array([value.encode("utf-8")], dtype=np.object_))
-    return pb_utils.Tensor(name, np.array([value], dtype=np.int32))
+
+def _gauges(labels):
+    """vLLM's gauge names on Triton's metrics port, set from the engine thread."""
+    families, gauges = [], {}  # a family must outlive its metrics
+    for name, doc in (
+        ("vllm:num_requests_running", "Requests in the running batch."),
+        ("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
+        ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all)."),
+    ):
+        family = pb_utils.MetricFamily(name=name, description=doc, kind=pb_utils.MetricFamily.GAUGE)
+        families.append(family)
+        gauges[name] = family.Metric(labels=labels)
+
+    def on_stats(stats):
+        gauges["vllm:num_requests_running"].set(stats.num_running)
+        gauges["vllm:num_requests_waiting"].set(stats.num_waiting)
+        gauges["vllm:kv_cache_usage_perc"].set(stats.kv_blocks_used / stats.kv_blocks_total)
+
+    on_stats.families = families
+    return on_stats
+
+
+def _finished_counter(labels):
+    """vllm:request_success_total by finished_reason (stop, length, abort)."""
+    family = pb_utils.MetricFamily(
+        name="vllm:request_success_total",
+        description="Finished requests, by finish reason.",
+        kind=pb_utils.MetricFamily.COUNTER,
+    )
+    counters = {}
+
+    def on_finish(reason):
+        if reason not in counters:
+            counters[reason] = family.Metric(labels={**labels, "finished_reason": reason})
+        counters[reason].increment(1)
+
+    on_finish.family = family
+    return on_finish
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        import json
-
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.model = EngineModel(engine_config(params))
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.model = EngineModel(
+            engine_config(params), on_stats=_gauges(labels), on_finish=_finished_counter(labels)
+        )
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            abort = pb_utils.get_input_tensor_by_name(request, "abort_request_id")
+            if abort is not None:  # from the detokenizer: the ensemble's client cancelled
+                self.model.abort(abort.as_numpy().reshape(-1)[0].decode())
+                sender.send(flags=FINAL)
+                continue
 
             def get(name, request=request):
                 t = pb_utils.get_input_tensor_by_name(request, name)
                 return None if t is None else t.as_numpy()
 
-            def send(values, final, sender=sender):
+            def send(tensors, final, sender=sender):
                 response = pb_utils.InferenceResponse(
-                    output_tensors=[_tensor(k, v) for k, v in values.items()]
+                    output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]
                 )
-                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-                sender.send(response, flags=flags)
+                sender.send(response, flags=FINAL if final else 0)
 
             def fail(message, sender=sender):
-                sender.send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                )
+                error = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+                sender.send(error, flags=FINAL)
 
             self.model.handle(get, send, fail, sender.is_cancelled)
         return None

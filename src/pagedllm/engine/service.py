@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput], None]
 OnError = Callable[[Exception], None]
+OnStats = Callable[[EngineStats], None]
 
 
 @dataclass
@@ -39,8 +40,12 @@ class _Abort:
 
 
 class EngineService:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_stats: OnStats | None = None) -> None:
+        """`on_stats` (optional) gets the engine's stats on the engine thread whenever they
+        changed after a step or a command (for metrics)."""
         self.engine = engine
+        self._on_stats = on_stats
+        self._last_stats: EngineStats | None = None
         self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
         self._callbacks: dict[str, tuple[OnOutput, OnError]] = {}
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
@@ -92,8 +97,20 @@ class EngineService:
                     self._abort(cmd.request_id)
             if self.engine.has_unfinished_requests():
                 self._step()
-            elif stop_seen:
+            self._report()
+            if stop_seen and not self.engine.has_unfinished_requests():
                 return
+
+    def _report(self) -> None:
+        if self._on_stats is None:
+            return
+        stats = self.engine.stats()
+        if stats != self._last_stats:
+            self._last_stats = stats
+            try:
+                self._on_stats(stats)
+            except Exception:
+                logger.exception("stats callback failed")
 
     def _pending(self, wait: bool) -> list[_Submit | _Abort | None]:
         """Every queued command; when idle, wait (briefly) for the first one."""

@@ -6,7 +6,9 @@ scalars (`max_tokens`, `temperature`, ...); and `sampling_parameters`, one JSON 
 vLLM's names. Both may be sent: the JSON object is read first and scalar tensors override
 its keys. Unknown JSON keys are rejected (naming them), so a misspelled parameter never
 passes silently. Flags: `stream` (one response per step vs exactly one),
-`exclude_input_in_output`, `return_log_probs` (the chosen tokens' log-probs).
+`exclude_input_in_output`, `return_log_probs` (the chosen tokens' log-probs). Inside the
+ensemble the `tokenizer` model adds `input_ids` (the prompt's token ids); `text_input` then only
+supplies the prompt text that a non-streamed output starts with.
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ SCALAR_INPUTS = {
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_log_probs")
-ALL_INPUTS = ("text_input", "sampling_parameters", "stop_words", *SCALAR_INPUTS, *FLAG_INPUTS)
+ALL_INPUTS = (
+    "text_input",
+    "input_ids",
+    "sampling_parameters",
+    "stop_words",
+    *SCALAR_INPUTS,
+    *FLAG_INPUTS,
+)
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -50,6 +59,7 @@ class RequestError(ValueError):
 class GenerateRequest:
     prompt: str
     params: SamplingParams
+    prompt_token_ids: list[int] | None = None
     stream: bool = False
     # as Triton's vLLM and TensorRT-LLM backends: a non-streamed text_output starts with the
     # prompt unless the client sets exclude_input_in_output; streamed outputs never do
@@ -120,9 +130,15 @@ def parse_request(get: Getter) -> GenerateRequest:
         params = SamplingParams.from_dict(values)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None
+    if params.n != 1:
+        raise RequestError(f"n must be 1 here (one stream per request), got {params.n}")
+    ids = get("input_ids")
+    if ids is not None and not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(f"input_ids must be integers, got {ids.dtype}")
     return GenerateRequest(
         prompt=prompt,
         params=params,
+        prompt_token_ids=None if ids is None else [int(i) for i in ids.reshape(-1)],
         stream=flags.get("stream", False),
         exclude_input_in_output=flags.get("exclude_input_in_output", False),
     )

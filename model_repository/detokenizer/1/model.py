@@ -1,0 +1,66 @@
+"""Triton adapter: the engine's window protocol -> text
+(`pagedllm.serving.text_models.DetokenizerModel`); reports cancelled requests to the engine."""
+
+import os
+import site
+import sys
+
+# The stub embeds Python in isolated mode (PYTHONPATH is ignored): the launcher lists the
+# environment's site directories in PAGEDLLM_SYS_PATH; they go ahead of the system's.
+_before = list(sys.path)
+for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)
+sys.path[:] = [p for p in sys.path if p not in _before] + _before
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from pagedllm.serving.engine_model import model_dir  # noqa: E402
+from pagedllm.serving.text_models import DetokenizerModel  # noqa: E402
+from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.model = DetokenizerModel(Tokenizer.from_model_dir(model_dir(params)))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+
+            def get(name, request=request):
+                t = pb_utils.get_input_tensor_by_name(request, name)
+                return None if t is None else t.as_numpy()
+
+            if request.is_cancelled():
+                # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5)
+                self._abort(self.model.request_id(get))
+                error = pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED)
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            tensors = self.model.handle(get)
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]
+                )
+            )
+        return responses
+
+    @staticmethod
+    def _abort(request_id):
+        request = pb_utils.InferenceRequest(
+            model_name="llm_engine",
+            inputs=[
+                pb_utils.Tensor(
+                    "abort_request_id", np.array([request_id.encode()], dtype=np.object_)
+                )
+            ],
+            requested_output_names=["finish_reason"],
+        )
+        for _ in request.exec(decoupled=True):  # one empty final response
+            pass
