@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +38,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, to_bool
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.text.detokenizer import CONTEXT
+
+logger = logging.getLogger(__name__)
 
 Tensors = dict[str, np.ndarray]
 # send(tensors, final) / fail(message): the adapter turns them into Triton responses
@@ -143,6 +148,11 @@ class EngineModel:
         self.engine = LLMEngine(config)
         self.service = EngineService(self.engine, on_stats).start()
         self._on_finish = on_finish
+        # responses are built and sent on their own thread, in order: a send is an IPC round
+        # trip to the server, and the engine thread goes on with the next step meanwhile
+        self._outbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="pagedllm-send", daemon=True)
+        self._sender.start()
         self._ids = itertools.count()
 
     def handle(self, get: Getter, send: Send, fail: Fail, is_cancelled: IsCancelled) -> None:
@@ -166,18 +176,32 @@ class EngineModel:
             prefix="" if req.stream or req.exclude_input_in_output else req.prompt,
         )
 
-        def on_output(out: RequestOutput) -> None:
+        def respond(out: RequestOutput) -> None:
             # direct clients of this model: a cancelled stream is seen here (never ask a
             # sender after its final response: the server does not survive it)
             if not out.finished and is_cancelled():
                 self.service.abort(stream.request_id)
                 return
             send(stream.tensors(out), out.finished)
+
+        def on_output(out: RequestOutput) -> None:
+            # counted on the engine thread, before the stats that show the request gone
             if out.finished and self._on_finish is not None:
                 self._on_finish(out.outputs[0].finish_reason or "")
+            self._outbox.put(lambda: respond(out))
+
+        def on_error(e: Exception) -> None:
+            self._outbox.put(lambda: fail(str(e)))
 
         prompt = req.prompt if req.prompt_token_ids is None else req.prompt_token_ids
-        self.service.submit(stream.request_id, prompt, params, on_output, lambda e: fail(str(e)))
+        self.service.submit(stream.request_id, prompt, params, on_output, on_error)
+
+    def _send_loop(self) -> None:
+        while (job := self._outbox.get()) is not None:
+            try:
+                job()
+            except Exception:
+                logger.exception("sending a response failed")
 
     def abort(self, request_id: str) -> None:
         """A client of the ensemble cancelled (reported by the detokenizer)."""
@@ -185,3 +209,5 @@ class EngineModel:
 
     def shutdown(self) -> None:
         self.service.shutdown(drain=False, timeout=30)
+        self._outbox.put(None)
+        self._sender.join(timeout=30)
