@@ -207,6 +207,27 @@ def test_http_generate_stream_concatenates_to_offline(server: TritonServer, offl
     assert [e["finish_reason"] for e in events] == [""] * (MAX_TOKENS - 1) + ["length"]
 
 
+def test_token_ids_and_log_probs(server: TritonServer, llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    expected = [next(iter(d.values())).logprob for d in out.logprobs or []]
+    _, text = post(
+        f"{server.http_url}/v2/models/ensemble/generate_stream",
+        body(stream=True, return_log_probs=True),
+    )
+    events = sse_events(text)
+
+    def items(value: Any) -> list[Any]:  # Triton's generate JSON shows [x] as x
+        return value if isinstance(value, list) else [value]
+
+    assert [t for e in events for t in items(e["output_token_ids"])] == out.token_ids
+    logprobs = [lp for e in events for lp in items(e["output_log_probs"])]
+    assert logprobs == pytest.approx(expected, abs=1e-4)
+    _, text = post(f"{server.http_url}/v2/models/ensemble/generate", body())
+    assert json.loads(text)["output_token_ids"] == out.token_ids
+    assert json.loads(text)["output_log_probs"] == []  # not asked
+
+
 def test_grpc_streaming_with_tritonclient(server: TritonServer, offline: str) -> None:
     stream = GrpcStream(
         server,

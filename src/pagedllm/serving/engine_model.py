@@ -13,7 +13,8 @@ Responses speak the window protocol to the stateless `detokenizer` model (DESIGN
   requests are detokenized here, as only the engine can stop on text (fact 4); every other
   request is decoded by the detokenizer, off the engine thread.
 - passed through to the client: `finish_reason`, `num_input_tokens`, `num_output_tokens`,
-  `index` (0, 1, ... per response), `output_log_probs` (the chosen tokens', when asked).
+  `index` (0, 1, ... per response), `output_token_ids` (the ids generated in this response,
+  the stop token included) and `output_log_probs` (their log-probs, when asked).
 - `request_id`: the engine's id, which the detokenizer sends back when the client cancelled
   (a cancelled ensemble request is not seen by this step, fact 5).
 """
@@ -133,6 +134,7 @@ class _Stream:
             "num_output_tokens": _one(len(self.output_ids)),
             "index": _one(index),
             "output_log_probs": np.array(logprobs, dtype=np.float32),
+            "output_token_ids": _ints(new),
             "request_id": _one(self.request_id),
         }
 

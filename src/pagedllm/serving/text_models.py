@@ -18,6 +18,7 @@ PASSTHROUGH = (
     "num_output_tokens",
     "index",
     "output_log_probs",
+    "output_token_ids",
 )
 
 
