@@ -355,7 +355,7 @@ def test_cancelling_a_stream_frees_its_blocks_within_a_second(
     stream.cancel()
     assert wait_idle(server, timeout=1.0) < 1.0
     m = metrics(server)
-    assert m["vllm:request_success_total{finished_reason=abort}"] == aborted + 1
+    assert m.get("vllm:request_success_total{finished_reason=abort}") == aborted + 1, m
     assert len(stream.responses) < 480
     # the server is healthy and serves the next request exactly
     status, text = post(

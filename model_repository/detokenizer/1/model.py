@@ -60,7 +60,7 @@ class TritonPythonModel:
                     "abort_request_id", np.array([request_id.encode()], dtype=np.object_)
                 )
             ],
-            requested_output_names=["finish_reason"],
+            requested_output_names=["meta"],
         )
         for _ in request.exec(decoupled=True):  # one empty final response
             pass

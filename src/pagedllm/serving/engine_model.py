@@ -3,20 +3,24 @@ converts tensors and calls this. Requests are parsed (`codec`), run by the `Engi
 and each output becomes a dict of numpy arrays (the response's tensors) handed to a `send`
 callback.
 
-Responses speak the window protocol to the stateless `detokenizer` model (DESIGN.md facts 1-4):
+Responses speak the window protocol to the stateless `detokenizer` model (DESIGN.md facts
+1-4), in five tensors (each tensor costs shared memory and copies on every hop, and there is
+one response per token):
 
-- `output_ids`: the ids whose text this response adds; `window_ids`: up to `CONTEXT` output
-  ids before them, so the detokenizer decodes them in context (`text.detokenizer.window_text`);
-  `final`: flush an unfinished character; `skip_special_tokens`.
-- `text`: text the detokenizer puts first: the prompt of a non-streamed output (unless
-  `exclude_input_in_output`), or, for requests with stop strings, the whole new text. Those
-  requests are detokenized here, as only the engine can stop on text (fact 4); every other
-  request is decoded by the detokenizer, off the engine thread.
-- passed through to the client: `finish_reason`, `num_input_tokens`, `num_output_tokens`,
-  `index` (0, 1, ... per response), `output_token_ids` (the ids generated in this response,
-  the stop token included) and `output_log_probs` (their log-probs, when asked).
-- `request_id`: the engine's id, which the detokenizer sends back when the client cancelled
-  (a cancelled ensemble request is not seen by this step, fact 5).
+- `ids` = window ids + new ids: the new ids are those whose text this response adds, the
+  window up to `CONTEXT` output ids before them, so the detokenizer decodes them in context
+  (`text.detokenizer.window_text`);
+- `meta` (`META` order): the window's length, `final` (flush an unfinished character),
+  `skip_special_tokens`, and, for the client, `num_input_tokens`, `num_output_tokens`, `index`
+  (0, 1, ... per response);
+- `strings`: `text`, put first by the detokenizer — the prompt of a non-streamed output
+  (unless `exclude_input_in_output`), or, for requests with stop strings, the whole new text
+  (those are detokenized here: only the engine can stop on text, fact 4; every other request
+  is decoded by the detokenizer, off the engine thread); `finish_reason`; `request_id`, the
+  engine's id, which the detokenizer sends back when the client cancelled (a cancelled
+  ensemble request is not seen by this step, fact 5);
+- passed through to the client: `output_token_ids` (the ids generated in this response, the
+  stop token included) and `output_log_probs` (their log-probs, when asked).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -43,6 +46,15 @@ from pagedllm.text.detokenizer import CONTEXT
 logger = logging.getLogger(__name__)
 
 Tensors = dict[str, np.ndarray]
+# the `meta` tensor's fields, in order
+META = (
+    "window_len",
+    "final",
+    "skip_special_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+    "index",
+)
 # send(tensors, final) / fail(message): the adapter turns them into Triton responses
 Send = Callable[[Tensors, bool], None]
 Fail = Callable[[str], None]
@@ -85,14 +97,6 @@ def _ints(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=np.int32)
 
 
-def _one(value: Any) -> np.ndarray:
-    if isinstance(value, str):
-        return np.array([value.encode("utf-8")], dtype=np.object_)
-    if isinstance(value, bool):
-        return np.array([value], dtype=np.bool_)
-    return np.array([value], dtype=np.int32)
-
-
 @dataclasses.dataclass
 class _Stream:
     """What one request has sent so far."""
@@ -123,19 +127,21 @@ class _Stream:
             for d in completion.logprobs or []
         ]
         index, self.responses = self.responses, self.responses + 1
+        meta = [
+            len(window),
+            out.finished,
+            self.skip_special_tokens,
+            len(out.prompt_token_ids),
+            len(self.output_ids),
+            index,
+        ]
+        strings = [s.encode("utf-8") for s in (text, finish, self.request_id)]
         return {
-            "output_ids": _ints(ids),
-            "window_ids": _ints(window),
-            "text": _one(text),
-            "final": _one(out.finished),
-            "skip_special_tokens": _one(self.skip_special_tokens),
-            "finish_reason": _one(finish),
-            "num_input_tokens": _one(len(out.prompt_token_ids)),
-            "num_output_tokens": _one(len(self.output_ids)),
-            "index": _one(index),
+            "ids": _ints(window + ids),
+            "meta": _ints(meta),
+            "strings": np.array(strings, dtype=np.object_),
             "output_log_probs": np.array(logprobs, dtype=np.float32),
             "output_token_ids": _ints(new),
-            "request_id": _one(self.request_id),
         }
 
 

@@ -7,19 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.serving.codec import Getter, RequestError
-from pagedllm.serving.engine_model import Tensors
+from pagedllm.serving.engine_model import META, Tensors
 from pagedllm.text.detokenizer import window_text
 from pagedllm.text.tokenizer import Tokenizer
 
 # detokenizer inputs passed through unchanged to the client
-PASSTHROUGH = (
-    "finish_reason",
-    "num_input_tokens",
-    "num_output_tokens",
-    "index",
-    "output_log_probs",
-    "output_token_ids",
-)
+PASSTHROUGH = ("output_log_probs", "output_token_ids")
+# `meta` fields passed on to the client
+META_OUTPUTS = ("num_input_tokens", "num_output_tokens", "index")
 
 
 def _required(get: Getter, name: str) -> np.ndarray:
@@ -59,23 +54,31 @@ class DetokenizerModel:
         self.tokenizer = tokenizer
 
     def handle(self, get: Getter) -> Tensors:
-        ids = [int(i) for i in _required(get, "output_ids").reshape(-1)]
-        window = [int(i) for i in _required(get, "window_ids").reshape(-1)]
-        prefix = _scalar(get, "text")
-        assert isinstance(prefix, bytes)
-        text = prefix.decode("utf-8") + window_text(
+        meta = dict(zip(META, (int(v) for v in _required(get, "meta").reshape(-1)), strict=True))
+        ids = [int(i) for i in _required(get, "ids").reshape(-1)]
+        text, finish_reason, _ = self._strings(get)
+        window = meta["window_len"]
+        text += window_text(
             self.tokenizer,
-            window,
-            ids,
-            skip_special_tokens=bool(_scalar(get, "skip_special_tokens")),
-            final=bool(_scalar(get, "final")),
+            ids[:window],
+            ids[window:],
+            skip_special_tokens=bool(meta["skip_special_tokens"]),
+            final=bool(meta["final"]),
         )
-        out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+        out = {
+            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+            "finish_reason": np.array([finish_reason.encode("utf-8")], dtype=np.object_),
+        }
+        for name in META_OUTPUTS:
+            out[name] = np.array([meta[name]], dtype=np.int32)
         for name in PASSTHROUGH:
             out[name] = _required(get, name)
         return out
 
     @staticmethod
-    def request_id(get: Getter) -> str:
-        value = _scalar(get, "request_id")
-        return value.decode() if isinstance(value, bytes) else str(value)
+    def _strings(get: Getter) -> list[str]:
+        """`text`, `finish_reason`, `request_id`."""
+        return [s.decode("utf-8") for s in _required(get, "strings").reshape(-1)]
+
+    def request_id(self, get: Getter) -> str:
+        return self._strings(get)[2]
