@@ -402,3 +402,34 @@ def test_bad_requests_get_errors_while_good_streams_go_on(server: TritonServer, 
         client.infer("llm", [two])
     assert good.wait() == expected  # undisturbed
     assert wait_idle(server, timeout=5) < 5
+
+
+def test_metrics_count_what_was_sent_and_received(server: TritonServer) -> None:
+    wait_idle(server, timeout=5)
+    before = metrics(server)
+    lengths = [3, 5, 8]
+    prompt_tokens = 0
+    for i, n in enumerate(lengths):
+        status, text = post(
+            f"{server.http_url}/v2/models/ensemble/generate",
+            body(text_input=f"metrics {i}: {PROMPT}", max_tokens=n),
+        )
+        assert status == 200, text
+        out = json.loads(text)
+        assert out["num_output_tokens"] == n
+        prompt_tokens += out["num_input_tokens"]
+    wait_idle(server, timeout=5)
+    after = metrics(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:generation_tokens_total") == sum(lengths)
+    assert delta("vllm:request_success_total{finished_reason=length}") == len(lengths)
+    assert delta("vllm:time_to_first_token_seconds_count") == len(lengths)
+    assert delta("vllm:e2e_request_latency_seconds_count") == len(lengths)
+    assert delta("vllm:request_queue_time_seconds_count") == len(lengths)
+    assert delta("vllm:time_per_output_token_seconds_count") == sum(n - 1 for n in lengths)
+    assert delta("vllm:request_generation_tokens_sum") == sum(lengths)
+    assert delta("vllm:prefix_cache_queries_total") == prompt_tokens

@@ -58,6 +58,10 @@ class Request:
     seed: int | None = None
     # set when the request stopped on a token id in `stop_token_ids` (its stop_reason)
     stop_token_id: int | None = None
+    # lifecycle times (time.monotonic()), for metrics
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

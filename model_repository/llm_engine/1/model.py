@@ -16,48 +16,49 @@ import json  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from pagedllm.serving.engine_model import EngineModel, engine_config  # noqa: E402
+from pagedllm.sampling_params import to_bool  # noqa: E402
+from pagedllm.serving.engine_model import EngineModel, engine_config, setting  # noqa: E402
+from pagedllm.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, MetricsExporter  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def _gauges(labels):
-    """vLLM's gauge names on Triton's metrics port, set from the engine thread."""
-    families, gauges = [], {}  # a family must outlive its metrics
-    for name, doc in (
-        ("vllm:num_requests_running", "Requests in the running batch."),
-        ("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
-        ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all)."),
-    ):
-        family = pb_utils.MetricFamily(name=name, description=doc, kind=pb_utils.MetricFamily.GAUGE)
-        families.append(family)
-        gauges[name] = family.Metric(labels=labels)
+class _Metrics:
+    """vLLM-named metrics on Triton's metrics port (`pagedllm.serving.metrics`); set from the
+    engine thread."""
 
-    def on_stats(stats):
-        gauges["vllm:num_requests_running"].set(stats.num_running)
-        gauges["vllm:num_requests_waiting"].set(stats.num_waiting)
-        gauges["vllm:kv_cache_usage_perc"].set(stats.kv_blocks_used / stats.kv_blocks_total)
+    def __init__(self, labels):
+        self.labels = labels
+        self.exporter = MetricsExporter()
+        kinds = pb_utils.MetricFamily
+        self.families = {}  # a family must outlive its metrics
+        for names, kind in ((COUNTERS, kinds.COUNTER), (GAUGES, kinds.GAUGE)):
+            for name, doc in names.items():
+                self.families[name] = kinds(name=name, description=doc, kind=kind)
+        for name, (doc, _) in HISTOGRAMS.items():
+            self.families[name] = kinds(name=name, description=doc, kind=kinds.HISTOGRAM)
+        self.metrics = {}
 
-    on_stats.families = families
-    return on_stats
+    def _metric(self, name, labels):
+        key = (name, labels)
+        if key not in self.metrics:
+            family, all_labels = self.families[name], {**self.labels, **dict(labels)}
+            if name in HISTOGRAMS:
+                buckets = list(HISTOGRAMS[name][1])
+                self.metrics[key] = family.Metric(labels=all_labels, buckets=buckets)
+            else:
+                self.metrics[key] = family.Metric(labels=all_labels)
+        return self.metrics[key]
 
-
-def _finished_counter(labels):
-    """vllm:request_success_total by finished_reason (stop, length, abort)."""
-    family = pb_utils.MetricFamily(
-        name="vllm:request_success_total",
-        description="Finished requests, by finish reason.",
-        kind=pb_utils.MetricFamily.COUNTER,
-    )
-    counters = {}
-
-    def on_finish(reason):
-        if reason not in counters:
-            counters[reason] = family.Metric(labels={**labels, "finished_reason": reason})
-        counters[reason].increment(1)
-
-    on_finish.family = family
-    return on_finish
+    def __call__(self, stats, observations):
+        for u in self.exporter.updates(stats, observations):
+            metric = self._metric(u.name, u.labels)
+            if u.kind == "counter":
+                metric.increment(u.value)
+            elif u.kind == "gauge":
+                metric.set(u.value)
+            else:
+                metric.observe(u.value)
 
 
 class TritonPythonModel:
@@ -65,8 +66,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         labels = {"model": args["model_name"], "version": args["model_version"]}
+        metrics = to_bool("metrics", setting(params, "metrics", "true"))
         self.model = EngineModel(
-            engine_config(params), on_stats=_gauges(labels), on_finish=_finished_counter(labels)
+            engine_config(params), on_stats=_Metrics(labels) if metrics else None
         )
 
     def execute(self, requests):

@@ -81,6 +81,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        # finished since the engine last took them (for its metrics)
+        self.just_finished: list[Request] = []
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -246,6 +248,7 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self.just_finished.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests for a reason found outside the scheduler (e.g. a stop string)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
@@ -24,6 +25,10 @@ class EngineStats:
     prefix_cache_hits: int
     kv_blocks_used: int
     kv_blocks_total: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    # (finish reason, requests), sorted
+    finished: tuple[tuple[str, int], ...] = ()
 
 
 class LLMEngine:
@@ -37,6 +42,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.runner = ModelRunner(config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
 
     def add_request(
         self,
@@ -81,6 +87,7 @@ class LLMEngine:
             return None
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.abort(child_id)
+        self._record_finished(time.monotonic())
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -91,11 +98,24 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        start = time.monotonic()
+        self.metrics.scheduled(
+            (self.scheduler.requests[s.request_id] for s in sched.scheduled), start
+        )
         result = self.runner.execute(sched)
         changed = self.scheduler.update_from_output(sched, result)
         outputs, stopped = self.output_processor.process(changed, result)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        now = time.monotonic()
+        for request in changed:
+            self.metrics.new_token(request, now)
+        self._record_finished(now)
         return outputs
+
+    def _record_finished(self, now: float) -> None:
+        for request in self.scheduler.just_finished:
+            self.metrics.request_finished(request, now)
+        self.scheduler.just_finished.clear()
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
@@ -107,6 +127,9 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_hits,
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_total=kv.pool.num_blocks,
+            prompt_tokens=self.metrics.prompt_tokens,
+            generation_tokens=self.metrics.generation_tokens,
+            finished=tuple(sorted(self.metrics.finished.items())),
         )
 
     def check_integrity(self) -> None:

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput], None]
 OnError = Callable[[Exception], None]
-OnStats = Callable[[EngineStats], None]
+# the engine's stats and the histogram observations since the previous call
+OnStats = Callable[[EngineStats, list[tuple[str, float]]], None]
 
 
 @dataclass
@@ -105,10 +106,11 @@ class EngineService:
         if self._on_stats is None:
             return
         stats = self.engine.stats()
-        if stats != self._last_stats:
+        observations = self.engine.metrics.drain()
+        if stats != self._last_stats or observations:
             self._last_stats = stats
             try:
-                self._on_stats(stats)
+                self._on_stats(stats, observations)
             except Exception:
                 logger.exception("stats callback failed")
 

@@ -59,7 +59,6 @@ META = (
 Send = Callable[[Tensors, bool], None]
 Fail = Callable[[str], None]
 IsCancelled = Callable[[], bool]
-OnFinish = Callable[[str], None]  # a request's finish reason, once
 
 
 def setting(parameters: dict[str, str], name: str, default: str = "") -> str:
@@ -146,16 +145,10 @@ class _Stream:
 
 
 class EngineModel:
-    def __init__(
-        self,
-        config: EngineConfig,
-        on_stats: OnStats | None = None,
-        on_finish: OnFinish | None = None,
-    ) -> None:
-        """`on_stats` / `on_finish` (optional, called on the engine thread) feed metrics."""
+    def __init__(self, config: EngineConfig, on_stats: OnStats | None = None) -> None:
+        """`on_stats` (optional, called on the engine thread) feeds metrics."""
         self.engine = LLMEngine(config)
         self.service = EngineService(self.engine, on_stats).start()
-        self._on_finish = on_finish
         # responses are built and sent on their own thread, in order: a send is an IPC round
         # trip to the server, and the engine thread goes on with the next step meanwhile
         self._outbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -193,9 +186,6 @@ class EngineModel:
             send(stream.tensors(out), out.finished)
 
         def on_output(out: RequestOutput) -> None:
-            # counted on the engine thread, before the stats that show the request gone
-            if out.finished and self._on_finish is not None:
-                self._on_finish(out.outputs[0].finish_reason or "")
             self._outbox.put(lambda: respond(out))
 
         def on_error(e: Exception) -> None:

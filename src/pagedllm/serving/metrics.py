@@ -1,0 +1,65 @@
+"""The engine's stats as Prometheus metric updates with vLLM's names, for Triton's metrics port
+(the `llm_engine` model applies them with `pb_utils.MetricFamily`). Pure: it keeps the last
+counter values and turns cumulative counts into increments."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.metrics import HISTOGRAMS
+
+COUNTERS = {
+    "vllm:prompt_tokens_total": "Prompt tokens of the requests scheduled.",
+    "vllm:generation_tokens_total": "Tokens generated.",
+    "vllm:num_preemptions_total": "Requests preempted (by recompute) to free KV blocks.",
+    "vllm:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "vllm:prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
+    "vllm:request_success_total": "Finished requests, by finish reason.",
+}
+GAUGES = {
+    "vllm:num_requests_running": "Requests in the running batch.",
+    "vllm:num_requests_waiting": "Requests waiting to be scheduled.",
+    "vllm:kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (1 = all).",
+}
+__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "MetricsExporter", "Update"]
+
+
+@dataclass(frozen=True)
+class Update:
+    kind: str  # "counter" (value: an increment) | "gauge" | "histogram" (one observation)
+    name: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()  # besides model and version
+
+
+class MetricsExporter:
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def updates(
+        self, stats: EngineStats, observations: list[tuple[str, float]]
+    ) -> Iterator[Update]:
+        yield Update("gauge", "vllm:num_requests_running", stats.num_running)
+        yield Update("gauge", "vllm:num_requests_waiting", stats.num_waiting)
+        usage = stats.kv_blocks_used / stats.kv_blocks_total
+        yield Update("gauge", "vllm:kv_cache_usage_perc", usage)
+        totals: list[tuple[str, tuple[tuple[str, str], ...], float]] = [
+            ("vllm:prompt_tokens_total", (), stats.prompt_tokens),
+            ("vllm:generation_tokens_total", (), stats.generation_tokens),
+            ("vllm:num_preemptions_total", (), stats.num_preemptions),
+            ("vllm:prefix_cache_queries_total", (), stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits_total", (), stats.prefix_cache_hits),
+        ]
+        totals += [
+            ("vllm:request_success_total", (("finished_reason", reason),), n)
+            for reason, n in stats.finished
+        ]
+        for name, labels, total in totals:
+            delta = total - self._last.get((name, labels), 0)
+            if delta:
+                self._last[(name, labels)] = total
+                yield Update("counter", name, delta, labels)
+        for name, value in observations:
+            yield Update("histogram", name, value)

@@ -1,0 +1,52 @@
+"""Engine metrics (vLLM's names): counters equal what was sent and generated, histogram
+observations count requests and tokens, a forced preemption is counted; the exporter turns
+cumulative counts into increments."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from conftest import TINY, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.metrics import HISTOGRAMS
+from pagedllm.serving.metrics import COUNTERS, GAUGES, MetricsExporter
+
+
+def test_counters_and_observations_under_preemption(checkpoints: dict[str, Path]) -> None:
+    prompts = random_prompts(8, (10, 40), TINY["vocab_size"], seed=5)
+    # 24 blocks of 4 tokens: room for ~1.5 full requests at a time, so preemptions happen
+    llm = LLM(str(checkpoints["llama"]), block_size=4, num_kv_blocks=24)
+    lengths = [4 + i for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    exporter = MetricsExporter()
+    before = list(exporter.updates(llm.engine.stats(), llm.engine.metrics.drain()))
+    assert {u.kind for u in before} == {"gauge"}  # nothing counted yet
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    stats, observations = llm.engine.stats(), llm.engine.metrics.drain()
+    assert stats.num_preemptions > 0
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.generation_tokens == sum(lengths)
+    assert stats.finished == (("length", 8),)
+    counts = Counter(name for name, _ in observations)
+    assert counts["vllm:time_to_first_token_seconds"] == 8
+    assert counts["vllm:time_per_output_token_seconds"] == sum(n - 1 for n in lengths)
+    for name in ("e2e_request_latency", "request_queue_time"):
+        assert counts[f"vllm:{name}_seconds"] == 8
+    generated = sorted(v for n, v in observations if n == "vllm:request_generation_tokens")
+    assert generated == lengths
+    assert all(v >= 0 for _, v in observations)
+    assert set(counts) == set(HISTOGRAMS)
+
+    updates = list(exporter.updates(stats, observations))
+    increments = {(u.name, u.labels): u.value for u in updates if u.kind == "counter"}
+    assert increments[("vllm:generation_tokens_total", ())] == sum(lengths)
+    assert increments[("vllm:request_success_total", (("finished_reason", "length"),))] == 8
+    assert increments[("vllm:num_preemptions_total", ())] == stats.num_preemptions
+    gauges = {u.name: u.value for u in updates if u.kind == "gauge"}
+    assert gauges == dict.fromkeys(GAUGES, 0.0)  # all done, every block free
+    assert {u.name for u in updates} <= set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS)
+    # nothing new: no increments the second time
+    again = list(exporter.updates(llm.engine.stats(), llm.engine.metrics.drain()))
+    assert {u.kind for u in again} == {"gauge"}
