@@ -3,12 +3,18 @@ a small byte-level BPE tokenizer trained on the spot."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# No GPU here: `@triton.jit` kernels run in the Triton interpreter on CPU tensors. Triton reads
+# this when it is first imported (transformers imports it too), so it is set before anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

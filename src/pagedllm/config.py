@@ -97,6 +97,19 @@ class ModelConfig:
             )
 
     @property
+    def num_parameters(self) -> int:
+        """Parameters of the Llama-family model this config describes (embeddings counted
+        once when tied)."""
+        h, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        attn += h if self.o_bias else 0
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    @property
     def context_length(self) -> int:
         """`linear` and `dynamic` rope scaling stretch the trained context by their factor."""
         if self.rope.type in ("linear", "dynamic"):
@@ -197,6 +210,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     attention_backend: str = "auto"
+    # on a GPU: the share of the device's memory this engine may use (weights, activations,
+    # KV pool); and whether to run decode steps eagerly instead of through CUDA graphs
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
     @staticmethod
     def create(
@@ -213,14 +236,28 @@ class EngineConfig:
         kv_cache_memory: int = 2 << 30,
         device: str = "cpu",
         attention_backend: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> EngineConfig:
-        """Build and validate the engine's configuration from user-facing knobs."""
+        """Build and validate the engine's configuration from user-facing knobs. On a CUDA
+        device the KV pool's memory comes from the device's free memory
+        (`gpu_memory_utilization`), not from `kv_cache_memory`."""
         model = ModelConfig.from_model_dir(model_dir)
         context = model.context_length
         model_len = max_model_len or context
         if model_len > context:
             raise ConfigError(f"max_model_len {model_len} exceeds the model's context ({context})")
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
+        batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
+        if num_kv_blocks is None and device.startswith("cuda"):
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            kv_cache_memory = device_kv_cache_budget(
+                free,
+                total,
+                gpu_memory_utilization,
+                weight_bytes=model.num_parameters * torch_dtype.itemsize,
+                activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs),
+            )
         if num_kv_blocks is None:
             # enough for every sequence at full length, capped by the memory budget
             per_seq = -(-model_len // block_size)
@@ -236,7 +273,7 @@ class EngineConfig:
         cache = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching)
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, min(model_len, 8192)),
+            max_num_batched_tokens=batched_tokens,
             max_model_len=model_len,
             enable_chunked_prefill=enable_chunked_prefill,
         )
@@ -248,7 +285,38 @@ class EngineConfig:
             scheduler=sched,
             device=device,
             attention_backend=attention_backend,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
         )
+
+
+def device_kv_cache_budget(
+    free: int, total: int, utilization: float, weight_bytes: int, activation_bytes: int
+) -> int:
+    """Bytes of the KV pool on a GPU, measured before the model is loaded: the engine's share
+    of the device (`total * utilization`) less what is already in use (other processes, the
+    CUDA context: `total - free`), the weights and the activation reserve."""
+    budget = int(total * utilization) - (total - free) - weight_bytes - activation_bytes
+    if budget <= 0:
+        gib = 1 << 30
+        raise ConfigError(
+            f"no device memory left for the KV cache: {utilization:.0%} of {total / gib:.1f} "
+            f"GiB, {(total - free) / gib:.1f} GiB already used, weights "
+            f"{weight_bytes / gib:.1f} GiB, activations {activation_bytes / gib:.1f} GiB; "
+            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return budget
+
+
+def activation_reserve(model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """A conservative estimate of the peak memory of one step besides weights and KV cache:
+    per token the fused qkv and gate/up outputs and a few hidden-size buffers (fp32 upper
+    bound, twice for the allocator's slack), fp32 logits and sampler copies of every
+    sequence, and 512 MiB for CUDA graphs' pool, kernel workspaces and fragmentation."""
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_token = (qkv + 2 * model.intermediate_size + 4 * model.hidden_size) * 4 * 2
+    logits = max_num_seqs * model.vocab_size * 4 * 4
+    return max_num_batched_tokens * per_token + logits + (512 << 20)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from pagedllm.layers.sampler import Sampler, SampleRequest, SamplingMetadata, pr
 from pagedllm.model import load_model
 from pagedllm.model.llama import ForwardContext
 from pagedllm.model.rope import rope_cos_sin, rotary_table
+from pagedllm.worker import cuda_graphs
 
 
 class ModelRunner:
@@ -39,6 +40,10 @@ class ModelRunner:
         self.rotary = rotary_table(cos, sin).to(self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager)
+        self.graphs = cuda_graphs.create_graph_runner(self)
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
         """`batch` must hold the decodes first (see `order_batch`)."""
@@ -65,6 +70,9 @@ class ModelRunner:
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
 
         def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+            if self.device.type == "cuda":  # pinned host memory, non-blocking copy
+                pinned = cuda_graphs.host_tensor(x, torch.int64, pin=True)
+                return pinned.to(self.device, non_blocking=True)
             return torch.tensor(x, dtype=torch.int64, device=self.device)
 
         return StepInputs(
@@ -93,10 +101,13 @@ class ModelRunner:
                 i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
             ]
             indices = torch.cat([indices, torch.tensor(extra, device=self.device)])
-        rotary = self.rotary[step.positions].unsqueeze(1)
-        metadata = self.backend.build_metadata(step)
-        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
-        logits = self.model(step.input_ids, ctx, indices)
+        if self.graphs is not None and not spans and self.graphs.can_run(step):
+            logits = self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
+        else:
+            rotary = self.rotary[step.positions].unsqueeze(1)
+            metadata = self.backend.build_metadata(step)
+            ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
+            logits = self.model(step.input_ids, ctx, indices)
         out = RunnerOutput()
         sampled = [s for s in batch if s.sample]
         if sampled:

@@ -11,6 +11,8 @@ from pagedllm.layers.attention.base import AttentionBackend, StepInputs
 _BACKENDS = {
     "torch": "pagedllm.layers.attention.torch_ref:TorchAttentionBackend",
     "cpu": "pagedllm.layers.attention.cpu_backend:CpuAttentionBackend",
+    # Triton-language kernels: the GPU path (needs the `triton` package)
+    "triton": "pagedllm.layers.attention.triton_backend:TritonAttentionBackend",
 }
 
 
@@ -19,9 +21,12 @@ def available_backends() -> list[str]:
 
 
 def create_attention_backend(name: str, device: str = "cpu") -> AttentionBackend:
-    """`auto` picks, on the CPU, the C++ decode kernel when it builds here (compiled once per
-    machine, ~40 s, then cached), else the pure-PyTorch backend."""
-    if name == "auto":
+    """`auto` picks the Triton kernels on a CUDA device; on the CPU, the C++ decode kernel when
+    it builds here (compiled once per machine, ~40 s, then cached), else the pure-PyTorch
+    backend."""
+    if name == "auto" and device.startswith("cuda"):
+        name = "triton"
+    elif name == "auto":
         from pagedllm.layers.attention import cpu_kernels
 
         on_cpu = device == "cpu"

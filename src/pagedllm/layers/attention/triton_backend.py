@@ -1,0 +1,152 @@
+"""Attention backend over the Triton-language kernels (triton_kernels.py): the GPU path.
+
+Cache layout per layer: (num_blocks, 2, num_kv_heads, block_size, head_dim), head-major, so the
+keys (or values) of one block for one KV head are one contiguous block_size x head_dim tile
+(a 4 KiB read for 16 x 128 fp16). The kernels take strides, so they also run on a permuted view
+of the reference layout; the tests use that to compare both backends on the same cache.
+
+Per-step metadata is built from the step's host lists (query starts, context lengths) and
+copied to the device without a synchronization (pinned memory, non-blocking); the decode path
+can also be built straight from device buffers (`decode_metadata`), which is what a CUDA graph
+captures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.layers.attention import triton_kernels
+from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.attention.triton_kernels import KernelConfig
+
+
+def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a device tensor; on a GPU through pinned memory with a non-blocking copy
+    (the pinned block is reused only after the copy completed: torch's caching host
+    allocator records the copy's stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # (N,) int64, < 0 = padding (not written)
+    block_tables: torch.Tensor  # (R, max_blocks) int32
+    context_lens: torch.Tensor  # (R,) int32
+    query_start_loc: torch.Tensor  # (R + 1,) int32
+    num_decodes: int
+    max_decode_context: int  # longest decode context (host-known), for the split heuristic
+    num_splits: int | None  # decode split-K (a power of two); None: chosen per launch
+    tile_request: torch.Tensor  # (T,) int32: prefill query tiles
+    tile_row: torch.Tensor  # (T,) int32
+    sliding_window: int | None
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, config: KernelConfig | None = None) -> None:
+        self.config = config or KernelConfig()
+        self._sms_read = False
+
+    def kernel_config(self, device: torch.device) -> KernelConfig:
+        """On a GPU, the split heuristic uses its real multiprocessor count (read once)."""
+        if device.type == "cuda" and not self._sms_read:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.config = dataclasses.replace(self.config, num_sms=sms)
+            self._sms_read = True
+        return self.config
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, num_kv_heads, block_size, head_dim)
+
+    def build_metadata(self, step: StepInputs) -> TritonAttentionMetadata:
+        device = step.input_ids.device
+        d, cfg = step.num_decodes, self.kernel_config(device)
+        requests, rows = triton_kernels.prefill_tiles(step.query_start_loc, d, cfg.prefill_block_m)
+        i32 = torch.int32
+        return TritonAttentionMetadata(
+            slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables.to(i32),
+            context_lens=host_to_device(step.context_lens, device, i32),
+            query_start_loc=host_to_device(step.query_start_loc, device, i32),
+            num_decodes=d,
+            max_decode_context=max(step.context_lens[:d], default=0),
+            num_splits=None,
+            tile_request=host_to_device(requests, device, i32),
+            tile_row=host_to_device(rows, device, i32),
+            sliding_window=step.sliding_window,
+        )
+
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        num_splits: int,
+        sliding_window: int | None,
+    ) -> TritonAttentionMetadata:
+        """A decode-only step over device buffers (D rows each): no host list, no copy, so a
+        CUDA graph can capture it; `num_splits` is fixed for the graph's lifetime."""
+        empty = torch.zeros(0, dtype=torch.int32, device=context_lens.device)
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_start_loc=empty,
+            num_decodes=context_lens.shape[0],
+            max_decode_context=0,
+            num_splits=num_splits,
+            tile_request=empty,
+            tile_row=empty,
+            sliding_window=sliding_window,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m, cfg = metadata, self.config
+        triton_kernels.write_kv(kv, kv_cache, m.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        d = m.num_decodes
+        if d:
+            splits = m.num_splits or triton_kernels.num_decode_splits(
+                d, kv.shape[2], m.max_decode_context, cfg
+            )
+            triton_kernels.paged_decode(
+                out[:d],
+                q[:d],
+                kv_cache,
+                m.block_tables,
+                m.context_lens,
+                scale,
+                splits,
+                m.sliding_window,
+                cfg,
+            )
+        if m.tile_request.shape[0]:
+            triton_kernels.paged_prefill(
+                out,
+                q,
+                kv_cache,
+                m.block_tables,
+                m.query_start_loc,
+                m.context_lens,
+                m.tile_request,
+                m.tile_row,
+                scale,
+                m.sliding_window,
+                cfg,
+            )
+        return out

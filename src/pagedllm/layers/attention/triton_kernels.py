@@ -1,0 +1,504 @@
+"""Paged-attention kernels in the Triton language (the GPU path); see docs/gpu.md.
+
+Three kernels, plus the split-K reduction:
+
+- `write_kv`: the new keys/values of a step into their cache slots (slot < 0: padding, skipped);
+- `paged_decode`: one query token per request over its block table, the query heads of one KV
+  head together (GQA) as the rows of one tile, optionally split over the context (split-K);
+- `paged_prefill`: causal varlen attention of each prefill chunk over its cached prefix plus
+  itself, tiles of query rows of one head.
+
+Every kernel takes the cache through five strides (block, k/v, kv head, slot in block, dim), so
+any layout whose last dimension is contiguous works: the backend's own head-major layout and a
+permuted view of the reference layout alike. Keys are looked up slot by slot through the block
+table (`pos // block_size`), so a key tile (`BLOCK_N`) is independent of the block size.
+
+No launch reads a device value on the host: grids depend on host-known sizes only.
+
+NOTE: under the interpreter (`TRITON_INTERPRET=1`, decided when this module is imported) bf16
+tiles are stored as raw 16-bit integers and `tl.dot` on them is wrong, so bf16 operands are
+widened to fp32 before each dot there (`UPCAST`); fp16 and fp32 run the exact GPU code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tunable tile sizes (powers of two, >= 16 for `tl.dot` on a GPU)."""
+
+    decode_block_n: int = 64  # keys per decode iteration
+    prefill_block_m: int = 64  # query rows per prefill program
+    prefill_block_n: int = 64  # keys per prefill iteration
+    max_splits: int = 16  # split-K upper bound for decode
+    min_split_tokens: int = 256  # no split shorter than this
+    num_sms: int = 132  # an H100 SXM; the backend reads the real count on a GPU
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("decode_block_n", "prefill_block_m", "prefill_block_n", "max_splits"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+            if name != "max_splits" and value < 16:
+                raise ValueError(f"{name} must be >= 16 (tl.dot on a GPU), got {value}")
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
+    """(UPCAST, input precision): fp32 dots in IEEE fp32 (tf32 would lose greedy parity)."""
+    upcast = INTERPRETED and dtype == torch.bfloat16
+    return upcast, "ieee" if dtype == torch.float32 else None
+
+
+def num_decode_splits(
+    num_decodes: int, num_kv_heads: int, max_context: int, cfg: KernelConfig
+) -> int:
+    """Split the context only when the (request, kv head) programs cannot fill the GPU, and
+    never into pieces shorter than `min_split_tokens`."""
+    programs = max(1, num_decodes * num_kv_heads)
+    want = -(-2 * cfg.num_sms // programs)  # two waves
+    by_length = -(-max_context // cfg.min_split_tokens)
+    splits = max(1, min(want, by_length, cfg.max_splits))
+    return triton.next_power_of_2(splits)
+
+
+# --- KV-cache write --------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    kv_ptr,  # (N, 2, kv_heads, head_dim)
+    cache_ptr,
+    slot_ptr,  # (N,) int64, < 0 = padding
+    stride_kv_tok,
+    stride_kv_kv,
+    stride_kv_head,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_head,
+    stride_c_slot,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    which = tl.program_id(1)  # 0 = key, 1 = value
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    block = slot // block_size
+    offset = slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # NOTE: the slot test is made on a full tile: the interpreter mistypes `tile & scalar`
+    mask = (h < num_kv_heads) & (d < head_dim) & ((h * 0 + d * 0 + slot) >= 0)
+    src = kv_ptr + tok.to(tl.int64) * stride_kv_tok + which * stride_kv_kv + h * stride_kv_head + d
+    x = tl.load(src, mask=mask)
+    dst = (
+        cache_ptr
+        + block * stride_c_block
+        + which * stride_c_kv
+        + h * stride_c_head
+        + offset * stride_c_slot
+        + d
+    )
+    tl.store(dst, x, mask=mask)
+
+
+def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store `kv` (N, 2, kv_heads, head_dim) into `cache` (blocks, 2, kv_heads, block_size,
+    head_dim; any strides, last one 1) at `slot_mapping` (N,) int64."""
+    n, _, kv_heads, head_dim = kv.shape
+    assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and kv.dtype == cache.dtype
+    if n == 0:
+        return
+    _write_kv_kernel[(n, 2)](
+        kv,
+        cache,
+        slot_mapping,
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        *cache.stride()[:4],
+        cache.shape[3],
+        kv_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # (D, heads, head_dim): one token per request
+    cache_ptr,
+    block_tables_ptr,  # (R, max_blocks) int32
+    context_lens_ptr,  # (R,) int32; 0 = padding row (output 0)
+    out_ptr,  # (D, heads, head_dim), used when NUM_SPLITS == 1
+    part_out_ptr,  # (D, heads, NUM_SPLITS, BLOCK_D) fp32, normalized partial outputs
+    part_lse_ptr,  # (D, heads, NUM_SPLITS) fp32, log2-sum-exp2 of each split's scores
+    scale_log2,  # softmax scale * log2(e)
+    stride_q_tok,
+    stride_q_head,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_head,
+    stride_c_slot,
+    stride_bt,
+    stride_o_tok,
+    stride_o_head,
+    block_size,
+    head_dim,
+    group,  # query heads per kv head
+    window,  # sliding window (keys in [ctx - window, ctx)); used when USE_WINDOW
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + r)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(ctx - window, 0)
+    # this split's keys [lo, hi): equal shares of whole key tiles
+    tiles = (ctx - first + BLOCK_N - 1) // BLOCK_N
+    per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS * BLOCK_N
+    lo = first + split * per_split
+    hi = tl.minimum(lo + per_split, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * group + g
+    g_mask = g < group
+    d_mask = d < head_dim
+    q_off = r.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # NOTE: a finite floor for the running max keeps exp2(m_old - m_new) finite for rows that
+    # have seen no key yet; masked scores are -inf, so their exp2 is exactly 0.
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + r.to(tl.int64) * stride_bt
+    kv_base = cache_ptr + kv_head * stride_c_head
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        block = tl.load(table + pos // block_size, mask=p_mask, other=0).to(tl.int64)
+        slot_off = block * stride_c_block + (pos % block_size) * stride_c_slot
+        kv_off = slot_off[:, None] + d[None, :]
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(kv_base + stride_c_kv + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N)
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]  # rows without keys: 0
+    if NUM_SPLITS == 1:
+        o_off = r.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(
+            out_ptr + o_off,
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        row = (r.to(tl.int64) * (group * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=g_mask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr,  # (D, heads, NUM_SPLITS, BLOCK_D) fp32
+    part_lse_ptr,  # (D, heads, NUM_SPLITS) fp32
+    out_ptr,
+    stride_o_tok,
+    stride_o_head,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    row = r.to(tl.int64) * tl.num_programs(1) + h
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (padding row)
+    w = tl.exp2(lse - m)  # (NUM_SPLITS,)
+    parts = tl.load(part_out_ptr + (row * NUM_SPLITS + s[:, None]) * BLOCK_D + d[None, :])
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_off = r.to(tl.int64) * stride_o_tok + h * stride_o_head + d
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def paged_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    window: int | None = None,
+    cfg: KernelConfig | None = None,
+) -> torch.Tensor:
+    """`out[r]` = attention of `q[r]` (D, heads, head_dim) over the first `context_lens[r]`
+    slots of block table row `r`. `num_splits` (a power of two) is fixed by the caller, so a
+    CUDA graph can capture the launch."""
+    cfg = cfg or KernelConfig()
+    d, heads, head_dim = q.shape
+    kv_heads = cache.shape[2]
+    group = heads // kv_heads
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and cache.stride(-1) == 1
+    assert num_splits >= 1 and not num_splits & (num_splits - 1)
+    if d == 0:
+        return out
+    block_d = _pow2(head_dim)
+    upcast, precision = _dot_options(q.dtype)
+    if num_splits > 1:
+        part_out = torch.empty(d, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(d, heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(d, kv_heads, num_splits)](
+        q,
+        cache,
+        block_tables,
+        context_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        *cache.stride()[:4],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        cache.shape[3],
+        head_dim,
+        group,
+        window or 0,
+        NUM_SPLITS=num_splits,
+        USE_WINDOW=window is not None,
+        BLOCK_G=_pow2(group),
+        BLOCK_N=cfg.decode_block_n,
+        BLOCK_D=block_d,
+        UPCAST=upcast,
+        PRECISION=precision,
+        num_warps=cfg.num_warps,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(d, heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_D=block_d,
+        )
+    return out
+
+
+# --- prefill / chunked prefill ---------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # (N, heads, head_dim)
+    cache_ptr,
+    block_tables_ptr,  # (R, max_blocks) int32
+    query_start_ptr,  # (R + 1,) int32
+    context_lens_ptr,  # (R,) int32
+    tile_request_ptr,  # (T,) int32: the request of each query tile
+    tile_row_ptr,  # (T,) int32: the tile's first query row, within its request
+    out_ptr,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_c_block,
+    stride_c_kv,
+    stride_c_head,
+    stride_c_slot,
+    stride_bt,
+    stride_o_tok,
+    stride_o_head,
+    block_size,
+    head_dim,
+    group,
+    window,  # query at position p sees keys (p - window, p]; used when USE_WINDOW
+    USE_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    r = tl.load(tile_request_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    q_start = tl.load(query_start_ptr + r)
+    q_len = tl.load(query_start_ptr + r + 1) - q_start
+    ctx = tl.load(context_lens_ptr + r)
+    prefix = ctx - q_len  # cached tokens before this chunk
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len
+    q_pos = prefix + rows  # (BLOCK_M,) positions of the queries
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    tok = (q_start + rows).to(tl.int64)
+    q_off = tok[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # keys [lo, hi): up to the tile's last query (causal), from its first query's window
+    hi = tl.minimum(ctx, prefix + row0 + BLOCK_M)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(prefix + row0 - window + 1, 0)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + r.to(tl.int64) * stride_bt
+    kv_base = cache_ptr + (head // group) * stride_c_head
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        block = tl.load(table + pos // block_size, mask=p_mask, other=0).to(tl.int64)
+        slot_off = block * stride_c_block + (pos % block_size) * stride_c_slot
+        kv_off = slot_off[:, None] + d[None, :]
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_c_kv + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = tok[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
+    tl.store(
+        out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :]
+    )
+
+
+def prefill_tiles(
+    query_start_loc: list[int], first_request: int, block_m: int
+) -> tuple[list[int], list[int]]:
+    """(request of each tile, first row of each tile) for requests `first_request...`:
+    computed on the host from the step's lists, so the launch needs no device read."""
+    requests, rows = [], []
+    for r in range(first_request, len(query_start_loc) - 1):
+        q_len = query_start_loc[r + 1] - query_start_loc[r]
+        for row in range(0, q_len, block_m):
+            requests.append(r)
+            rows.append(row)
+    return requests, rows
+
+
+def paged_prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    tile_request: torch.Tensor,
+    tile_row: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    cfg: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of every tile's query rows (see `prefill_tiles`, built with
+    `cfg.prefill_block_m`) over its request's first `context_lens[r]` cached slots, the last
+    `q_len` of which are the chunk's own tokens."""
+    cfg = cfg or KernelConfig()
+    _, heads, head_dim = q.shape
+    group = heads // cache.shape[2]
+    num_tiles = tile_request.shape[0]
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and cache.stride(-1) == 1
+    if num_tiles == 0:
+        return out
+    upcast, precision = _dot_options(q.dtype)
+    _prefill_kernel[(num_tiles, heads)](
+        q,
+        cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        tile_request,
+        tile_row,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        *cache.stride()[:4],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        cache.shape[3],
+        head_dim,
+        group,
+        window or 0,
+        USE_WINDOW=window is not None,
+        BLOCK_M=cfg.prefill_block_m,
+        BLOCK_N=cfg.prefill_block_n,
+        BLOCK_D=_pow2(head_dim),
+        UPCAST=upcast,
+        PRECISION=precision,
+        num_warps=cfg.num_warps,
+    )
+    return out

@@ -1,0 +1,227 @@
+"""CUDA graphs for decode steps: one graph per padded batch size, replayed over static input
+buffers.
+
+A decode-only step of `n` requests is padded to the smallest captured size `s >= n`: the
+first `n` rows of the static buffers get the step's inputs, rows `n..s` are padding (token 0,
+position 0, slot -1 = no cache write, context 0 = attention output 0), the graph of size `s` is
+replayed and the first `n` rows of its logits are returned. Graphs are captured from the
+largest size down, all in one memory pool: the largest allocates it, the others reuse it.
+
+Everything but `CudaGraphBackend` (the only code that touches `torch.cuda`) runs on any
+device, so the padding, selection and capture order are unit-tested on the CPU with a fake
+graph backend (tests/test_cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from pagedllm.layers.attention.base import StepInputs
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunner
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture, as vLLM's: 1, 2, 4, then every multiple of 8, up to the first
+    one >= `max_num_seqs` (at most `MAX_CAPTURE_SIZE`; larger batches run eagerly)."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = []
+    for size in [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]:
+        sizes.append(size)
+        if size >= top:
+            break
+    return sizes
+
+
+def padded_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest of the (ascending) `sizes` that holds `n` rows; None if none does."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def host_tensor(values: list[int] | list[list[int]], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor; pinned (page-locked) when it feeds a non-blocking copy to a GPU."""
+    return torch.tensor(values, dtype=dtype, pin_memory=pin)
+
+
+@dataclass
+class DecodeBuffers:
+    """The static inputs of captured decode steps (`max_size` rows). A graph reads the first
+    `size` rows through `view(size)`; its addresses never change."""
+
+    input_ids: torch.Tensor  # (S,) int64
+    positions: torch.Tensor  # (S,) int64
+    slot_mapping: torch.Tensor  # (S,) int64, -1 = padding
+    context_lens: torch.Tensor  # (S,) int32, 0 = padding
+    block_tables: torch.Tensor  # (S, max_blocks_per_seq) int32
+    logits_indices: torch.Tensor  # (S,) int64 = arange(S): every decode is sampled
+
+    @staticmethod
+    def allocate(max_size: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        buffers = DecodeBuffers(
+            input_ids=zeros(max_size),
+            positions=zeros(max_size),
+            slot_mapping=zeros(max_size),
+            context_lens=zeros(max_size, dtype=torch.int32),
+            block_tables=zeros(max_size, max_blocks, dtype=torch.int32),
+            logits_indices=torch.arange(max_size, device=device),
+        )
+        buffers.pad(0)
+        return buffers
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def view(self, size: int) -> DecodeBuffers:
+        return DecodeBuffers(
+            self.input_ids[:size],
+            self.positions[:size],
+            self.slot_mapping[:size],
+            self.context_lens[:size],
+            self.block_tables[:size],
+            self.logits_indices[:size],
+        )
+
+    def pad(self, start: int) -> None:
+        """Rows `start...` become padding: no cache write, no key attended."""
+        self.input_ids[start:] = 0
+        self.positions[start:] = 0
+        self.slot_mapping[start:] = -1
+        self.context_lens[start:] = 0
+
+    def fill(self, step: StepInputs) -> None:
+        """Copy a decode-only step into the first rows, pad the rest. Device-to-device copies
+        and one non-blocking host copy (the context lengths): no synchronization.
+
+        NOTE: block-table columns past a row's own blocks keep stale ids; the kernels never
+        read past a row's context length."""
+        n = len(step.context_lens)
+        width = step.block_tables.shape[1]
+        assert n <= self.size and width <= self.block_tables.shape[1]
+        device = self.input_ids.device
+        self.input_ids[:n].copy_(step.input_ids, non_blocking=True)
+        self.positions[:n].copy_(step.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(step.slot_mapping, non_blocking=True)
+        self.block_tables[:n, :width].copy_(step.block_tables, non_blocking=True)
+        ctx = host_tensor(step.context_lens, torch.int32, pin=device.type == "cuda")
+        self.context_lens[:n].copy_(ctx, non_blocking=True)
+        self.pad(n)
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """Captures a function into a replayable graph; `CudaGraphBackend` on a GPU."""
+
+    def new_pool(self) -> Any: ...
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Graph, torch.Tensor]:
+        """(graph, the output tensor that every replay rewrites)."""
+        ...
+
+
+class CudaGraphBackend:
+    """`torch.cuda.CUDAGraph`s sharing one memory pool (the GPU-only part of this module)."""
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Graph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+
+GraphForward = Callable[[DecodeBuffers], torch.Tensor]  # buffers of s rows -> (s, vocab)
+
+
+class CudaGraphRunner:
+    """Decode steps through captured graphs: `capture()` once, then `can_run` / `run`."""
+
+    def __init__(
+        self,
+        forward: GraphForward,
+        buffers: DecodeBuffers,
+        sizes: list[int],
+        backend: GraphBackend | None = None,
+    ) -> None:
+        assert sizes == sorted(sizes) and sizes[-1] <= buffers.size
+        self.forward = forward
+        self.buffers = buffers
+        self.sizes = sizes
+        self.backend = backend or CudaGraphBackend()
+        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest size first: its graph sizes the shared pool, the smaller ones fit in it."""
+        pool = self.backend.new_pool()
+        for size in reversed(self.sizes):
+            view = self.buffers.view(size)
+            self.forward(view)  # warm-up: lazy initialization and kernel compilation
+            self.graphs[size] = self.backend.capture(functools.partial(self.forward, view), pool)
+
+    def can_run(self, step: StepInputs) -> bool:
+        """A decode-only step (one token per request, each sampled) that fits a graph."""
+        n = len(step.context_lens)
+        return (
+            bool(self.graphs)
+            and step.num_decodes == n
+            and n <= self.sizes[-1]
+            and step.logits_indices.shape[0] == n
+        )
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """(n, vocab) logits of the step's `n` decodes."""
+        n = len(step.context_lens)
+        size = padded_size(n, self.sizes)
+        assert size is not None and self.can_run(step)
+        self.buffers.fill(step)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]
+
+
+def create_graph_runner(runner: ModelRunner) -> CudaGraphRunner | None:
+    """The runner's decode graphs: on a CUDA device with a backend that can build decode
+    metadata from device buffers (the Triton one), unless `enforce_eager`. Not captured yet."""
+    config, backend = runner.config, runner.backend
+    decode_metadata = getattr(backend, "decode_metadata", None)
+    if runner.device.type != "cuda" or config.enforce_eager or decode_metadata is None:
+        return None
+    from pagedllm.layers.attention.triton_kernels import num_decode_splits
+    from pagedllm.model.llama import ForwardContext
+
+    sizes = capture_sizes(config.scheduler.max_num_seqs)
+    max_len = config.scheduler.max_model_len
+    max_blocks = -(-max_len // runner.block_size)
+    buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device)
+    kv_heads, window = config.model.num_kv_heads, config.model.sliding_window
+    kernel_config = backend.kernel_config(runner.device)  # type: ignore[attr-defined]
+
+    def forward(b: DecodeBuffers) -> torch.Tensor:
+        # NOTE: split-K is fixed per graph, for the longest possible context
+        splits = num_decode_splits(b.size, kv_heads, max_len, kernel_config)
+        meta = decode_metadata(b.slot_mapping, b.block_tables, b.context_lens, splits, window)
+        rotary = runner.rotary[b.positions].unsqueeze(1)
+        ctx = ForwardContext(rotary, runner.kv_caches, backend, meta)
+        logits: torch.Tensor = runner.model(b.input_ids, ctx, b.logits_indices)
+        return logits
+
+    return CudaGraphRunner(forward, buffers, sizes)

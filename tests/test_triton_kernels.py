@@ -1,0 +1,373 @@
+"""The Triton-language attention kernels, run by the Triton interpreter on CPU tensors, against
+the pure-PyTorch reference backend: the cache write, paged decode (GQA, split-K), prefill and
+chunked prefill (cached prefixes), sliding windows, three dtypes, and a whole model forward.
+
+Tolerances (absolute, outputs of magnitude ~1): fp32 2e-5 (both sides accumulate in fp32; the
+kernels' online softmax only reorders the sums); fp16 5e-3 and bf16 2e-2 (the kernels round the
+probabilities to the input dtype before the P.V dot, as flash attention does on tensor cores;
+the rest is the output's rounding). Under the interpreter bf16 dots are widened to fp32 (see
+triton_kernels.py), so the bf16 P.V rounding is checked on a GPU only (the `gpu` tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="the triton package is missing: pip install -e '.[dev]'",
+)
+
+ATOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def tk() -> ModuleType:
+    """The kernels module, run by the Triton interpreter (conftest.py sets TRITON_INTERPRET=1
+    on a machine without CUDA, before anything imports triton)."""
+    module = importlib.import_module("pagedllm.layers.attention.triton_kernels")
+    assert module.INTERPRETED
+    return module
+
+
+def small_tiles(tk: ModuleType, **overrides: int) -> object:
+    """Tiles of 16 so that the small test shapes cross several tiles."""
+    knobs = dict(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
+    return tk.KernelConfig(**{**knobs, **overrides})
+
+
+def make_step(
+    requests: list[tuple[int, int]],
+    block_size: int,
+    window: int | None = None,
+    num_decodes: int | None = None,
+    seed: int = 0,
+) -> tuple[StepInputs, int]:
+    """A step over `requests` = [(cached prefix, new tokens)] with shuffled, non-contiguous
+    block tables (as the model runner builds it: decodes first); and the pool size."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [p + n for p, n in requests]
+    counts = [-(-n // block_size) for n in lens]
+    num_blocks = sum(counts) + 5
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(counts), dtype=torch.int64)
+    used = 0
+    for r, c in enumerate(counts):
+        tables[r, :c] = ids[used : used + c]
+        used += c
+    positions = torch.cat([torch.arange(p, p + n) for p, n in requests])
+    owner = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(requests)])
+    slots = tables[owner, positions // block_size] * block_size + positions % block_size
+    starts = [0]
+    for _, n in requests:
+        starts.append(starts[-1] + n)
+    if num_decodes is None:
+        num_decodes = next((r for r, (_, n) in enumerate(requests) if n > 1), len(requests))
+    step = StepInputs(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=starts,
+        context_lens=lens,
+        block_tables=tables,
+        num_decodes=num_decodes,
+        logits_indices=torch.tensor(starts[1:]) - 1,
+        block_size=block_size,
+        sliding_window=window,
+    )
+    return step, num_blocks
+
+
+def to_head_major(ref_cache: torch.Tensor) -> torch.Tensor:
+    # (blocks, block_size, 2, kv_heads, hd) -> (blocks, 2, kv_heads, block_size, hd)
+    return ref_cache.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def run_both(
+    tk: ModuleType,
+    requests: list[tuple[int, int]],
+    *,
+    block_size: int = 8,
+    head_dim: int = 64,
+    group: int = 3,
+    kv_heads: int = 1,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    num_decodes: int | None = None,
+    config: object | None = None,
+    ref_step: StepInputs | None = None,
+    scale_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Triton backend output, reference output) for one layer of one step on random inputs;
+    also checks that both caches hold the same keys and values afterwards. `ref_step` and
+    `scale_factor` perturb the Triton side only (for the tests that must detect a mistake)."""
+    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+
+    step, num_blocks = make_step(requests, block_size, window, num_decodes)
+    gen = torch.Generator().manual_seed(block_size * 1000 + head_dim + group)
+    n, heads = len(step.positions), kv_heads * group
+    cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    # q and kv are strided views of one qkv buffer, as in the model
+    qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    ref, ref_cache = TorchAttentionBackend(), cache.clone()
+    expected = ref.forward(q, kv, ref_cache, ref.build_metadata(step), scale)
+    backend = TritonAttentionBackend(config or small_tiles(tk))  # type: ignore[arg-type]
+    tri_cache = to_head_major(cache)
+    meta = backend.build_metadata(ref_step or step)
+    out = backend.forward(q, kv, tri_cache, meta, scale * scale_factor)
+    assert torch.equal(tri_cache, to_head_major(ref_cache))
+    assert out.shape == (n, heads, head_dim) and out.dtype == dtype
+    return out, expected
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[out.dtype], rtol=0)
+
+
+# --- the cache write -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_write_kv_stores_each_slot_and_skips_padding(tk: ModuleType, block_size: int) -> None:
+    n, kv_heads, head_dim, num_blocks = 11, 3, 64, 16
+    gen = torch.Generator().manual_seed(block_size)
+    kv = torch.randn(n, 2, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    slots[[2, 7]] = -1  # padding rows of a CUDA-graph batch
+    cache = torch.zeros(num_blocks, 2, kv_heads, block_size, head_dim)
+    tk.write_kv(kv, cache, slots)
+    expected = torch.zeros(num_blocks, block_size, 2, kv_heads, head_dim)
+    keep = slots >= 0
+    expected.view(-1, 2, kv_heads, head_dim)[slots[keep]] = kv[keep]
+    assert torch.equal(cache, to_head_major(expected))
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_decode_matches_reference(
+    tk: ModuleType, block_size: int, head_dim: int, group: int
+) -> None:
+    # ragged: one token, exactly one block, one past a block boundary, several key tiles
+    bs = block_size
+    requests = [(0, 1), (bs - 1, 1), (bs, 1), (3 * bs + 4, 1), (36, 1)]
+    out, expected = run_both(tk, requests, block_size=bs, head_dim=head_dim, group=group)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_decode_split_k_matches_reference(
+    tk: ModuleType, num_splits: int, window: int | None
+) -> None:
+    # 8 splits of a 3-tile context: some splits see no key at all
+    cfg = small_tiles(tk, max_splits=num_splits, min_split_tokens=1, num_sms=64)
+    assert tk.num_decode_splits(3, 2, 70, cfg) == num_splits
+    requests = [(2, 1), (40, 1), (69, 1)]
+    out, expected = run_both(
+        tk, requests, kv_heads=2, group=2, config=cfg, block_size=16, window=window
+    )
+    assert_matches(out, expected)
+
+
+def test_split_heuristic() -> None:
+    from pagedllm.layers.attention.triton_kernels import KernelConfig, num_decode_splits
+
+    cfg = KernelConfig()  # 132 SMs, splits of >= 256 tokens, at most 16
+    assert num_decode_splits(256, 8, 8192, cfg) == 1  # the batch fills the GPU
+    assert num_decode_splits(1, 8, 8192, cfg) == 32 // 2  # 264 programs wanted, capped at 16
+    assert num_decode_splits(1, 8, 300, cfg) == 2  # no split below 256 tokens
+    assert num_decode_splits(4, 8, 100, cfg) == 1
+    with pytest.raises(ValueError, match="power of two"):
+        KernelConfig(decode_block_n=48)
+    with pytest.raises(ValueError, match=">= 16"):
+        KernelConfig(prefill_block_m=8)
+
+
+# --- prefill and chunked prefill ------------------------------------------------------------
+
+# (cached prefix, new tokens): empty prefix; a prefix of whole blocks (a prefix-cache hit);
+# a ragged prefix ending inside a block with a chunk crossing several blocks and query tiles;
+# only the last token recomputed after a fully cached prompt
+PREFILLS = [(0, 5), (16, 9), (11, 22), (40, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_matches_reference(
+    tk: ModuleType, block_size: int, head_dim: int, group: int
+) -> None:
+    out, expected = run_both(
+        tk, PREFILLS, block_size=block_size, head_dim=head_dim, group=group, num_decodes=0
+    )
+    assert_matches(out, expected)
+
+
+def test_prefill_without_cached_prefix(tk: ModuleType) -> None:
+    out, expected = run_both(tk, [(0, 17), (0, 1), (0, 32)], num_decodes=0, kv_heads=2)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("window", [1, 6, 40])
+def test_sliding_window_matches_reference(tk: ModuleType, window: int) -> None:
+    # decodes and chunks with contexts shorter than, equal to and longer than the window
+    requests = [(0, 1), (5, 1), (6, 1), (45, 1), (0, 6), (11, 22), (40, 3)]
+    out, expected = run_both(tk, requests, window=window, kv_heads=2, group=2)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_batch_dtypes(tk: ModuleType, dtype: torch.dtype, window: int | None) -> None:
+    # 3 decodes (one on its first token), then two prefill chunks (one with a cached prefix)
+    requests = [(0, 1), (8, 1), (29, 1), (11, 9), (0, 20)]
+    out, expected = run_both(tk, requests, dtype=dtype, window=window, kv_heads=2, group=3)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        dict(decode_block_n=16, prefill_block_m=16, prefill_block_n=32),
+        dict(decode_block_n=64, prefill_block_m=32, prefill_block_n=16),
+        dict(decode_block_n=32, prefill_block_m=64, prefill_block_n=64),
+    ],
+)
+def test_tile_sizes_do_not_change_results(tk: ModuleType, tiles: dict[str, int]) -> None:
+    requests = [(3, 1), (50, 1), (7, 30), (0, 12)]
+    out, expected = run_both(tk, requests, config=tk.KernelConfig(**tiles), head_dim=128)
+    assert_matches(out, expected)
+
+
+def test_kernels_accept_the_reference_layout_as_a_view(tk: ModuleType) -> None:
+    # strides, not a fixed layout: a permuted view of the reference cache works in place
+    step, num_blocks = make_step([(9, 1), (20, 1)], 4)
+    gen = torch.Generator().manual_seed(3)
+    ref_cache = torch.randn(num_blocks, 4, 2, 2, 64, generator=gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    kv = torch.randn(2, 2, 2, 64, generator=gen)
+    ref = TorchAttentionBackend()
+    expected = ref.forward(q, kv, ref_cache.clone(), ref.build_metadata(step), 0.125)
+    view = ref_cache.permute(0, 2, 3, 1, 4)  # not contiguous
+    tk.write_kv(kv, view, step.slot_mapping)
+    out = torch.empty_like(q)
+    ctx = torch.tensor(step.context_lens, dtype=torch.int32)
+    tk.paged_decode(out, q, view, step.block_tables.int(), ctx, 0.125, 1)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
+
+
+# --- the comparison can fail ----------------------------------------------------------------
+
+
+def test_a_wrong_scale_is_detected(tk: ModuleType) -> None:
+    out, expected = run_both(tk, [(8, 1), (11, 9)], scale_factor=1.02)
+    with pytest.raises(AssertionError):
+        assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("requests", [[(30, 1)], [(30, 6)]])
+def test_one_masked_key_is_detected(tk: ModuleType, requests: list[tuple[int, int]]) -> None:
+    # the Triton side drops a single key of the longest row (a window of ctx - 1 tokens)
+    ctx = sum(requests[0])
+    ref_step, _ = make_step(requests, 8, window=ctx - 1)
+    out, expected = run_both(tk, requests, ref_step=ref_step)
+    with pytest.raises(AssertionError):
+        assert_matches(out, expected)
+
+
+def test_registry_picks_triton_on_cuda() -> None:
+    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+
+    assert isinstance(create_attention_backend("auto", "cuda"), TritonAttentionBackend)
+    assert isinstance(create_attention_backend("auto", "cuda:1"), TritonAttentionBackend)
+    assert isinstance(create_attention_backend("triton", "cpu"), TritonAttentionBackend)
+    assert create_attention_backend("torch", "cuda").name == "torch"
+
+
+# --- the whole model -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_model_forward_matches_reference(
+    tk: ModuleType, checkpoints: dict[str, Path], arch: str
+) -> None:
+    """Two steps of the tiny model: three prompts (one chunked), then a mixed batch of two
+    decodes and the chunked prompt's second chunk over its cached prefix (past Mistral's
+    24-token window). The logits and the caches of both backends agree."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+    from pagedllm.model import load_model
+    from pagedllm.model.llama import ForwardContext
+    from pagedllm.model.rope import rope_cos_sin, rotary_table
+
+    mcfg = ModelConfig.from_model_dir(checkpoints[arch])
+    model = load_model(checkpoints[arch], mcfg, torch.float32, "cpu")
+    rotary = rotary_table(*rope_cos_sin(mcfg.rope, mcfg.head_dim, 512, 512))
+    block_size, num_blocks = 8, 24
+    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[:18]
+    tables = tables.view(3, 6)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, mcfg.vocab_size, (3, 40), generator=gen)
+
+    def step(requests: list[tuple[int, int, int]], num_decodes: int) -> StepInputs:
+        # [(request, start position, new tokens)]
+        positions = torch.cat([torch.arange(p, p + n) for _, p, n in requests])
+        owner = torch.cat([torch.full((n,), r) for r, _, n in requests])
+        starts = [0]
+        for _, _, n in requests:
+            starts.append(starts[-1] + n)
+        rows = [r for r, _, _ in requests]
+        return StepInputs(
+            input_ids=tokens[owner, positions],
+            positions=positions,
+            slot_mapping=tables[owner, positions // block_size] * block_size
+            + positions % block_size,
+            query_start_loc=starts,
+            context_lens=[p + n for _, p, n in requests],
+            block_tables=tables[rows],
+            num_decodes=num_decodes,
+            logits_indices=torch.tensor(starts[1:]) - 1,
+            block_size=block_size,
+            sliding_window=mcfg.sliding_window,
+        )
+
+    steps = [
+        step([(0, 0, 12), (1, 0, 20), (2, 0, 7)], 0),
+        step([(0, 12, 1), (2, 7, 1), (1, 20, 14)], 2),
+    ]
+    shape = (num_blocks, block_size, 2, mcfg.num_kv_heads, mcfg.head_dim)
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend(small_tiles(tk))):
+        caches = [
+            torch.zeros(backend.kv_cache_shape(*shape[:1], block_size, *shape[3:]))
+            for _ in range(mcfg.num_layers)
+        ]
+        logits = []
+        for s in steps:
+            ctx = ForwardContext(rotary[s.positions].unsqueeze(1), caches, backend, None)
+            ctx = ctx._replace(attn_metadata=backend.build_metadata(s))
+            with torch.inference_mode():
+                logits.append(model(s.input_ids, ctx, s.logits_indices))
+        results.append((logits, caches))
+    (ref_logits, ref_caches), (tri_logits, tri_caches) = results
+    for expected, got in zip(ref_logits, tri_logits, strict=True):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for expected, got in zip(ref_caches, tri_caches, strict=True):
+        torch.testing.assert_close(got, to_head_major(expected), atol=1e-5, rtol=0)
