@@ -68,7 +68,9 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         metrics = to_bool("metrics", setting(params, "metrics", "true"))
         self.model = EngineModel(
-            engine_config(params), on_stats=_Metrics(labels) if metrics else None
+            engine_config(params),
+            on_stats=_Metrics(labels) if metrics else None,
+            trace_file=setting(params, "trace_file") or None,
         )
 
     def execute(self, requests):

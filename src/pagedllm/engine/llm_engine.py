@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.tracing import Tracer
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
@@ -35,14 +36,24 @@ class LLMEngine:
     """Owns the scheduler, the model runner, the tokenizer and the output processor. Not
     thread-safe: one thread drives `step()`; other threads hand it requests through a queue."""
 
-    def __init__(self, config: EngineConfig, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        metrics: bool = True,
+        trace_file: str | None = None,
+    ) -> None:
+        """`metrics`: record vLLM's counters and histograms (`self.metrics`); `trace_file`:
+        append request-lifecycle events there, one JSON object per line (`engine.tracing`)."""
         self.config = config
         self.max_logprobs = max_logprobs
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.runner = ModelRunner(config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics() if metrics else None
+        self.tracer = Tracer(trace_file) if trace_file else None
+        self._preempted: set[str] = set()
 
     def add_request(
         self,
@@ -79,6 +90,8 @@ class LLMEngine:
         ]
         for child in children:
             self.scheduler.add_request(child)
+            if self.tracer is not None:
+                self.tracer.event("queued", child.request_id, prompt_tokens=len(token_ids))
         self.output_processor.add_request(request_id, text, children)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -90,6 +103,10 @@ class LLMEngine:
         self._record_finished(time.monotonic())
         return self.output_processor.abort(request_id)
 
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -99,26 +116,79 @@ class LLMEngine:
         if sched.is_empty:
             return []
         start = time.monotonic()
-        self.metrics.scheduled(
-            (self.scheduler.requests[s.request_id] for s in sched.scheduled), start
-        )
+        requests = (self.scheduler.requests[s.request_id] for s in sched.scheduled)
+        new = [r for r in requests if r.first_scheduled_time is None]
+        for request in new:
+            request.first_scheduled_time = start
+        if self.tracer is not None:
+            self._trace_scheduled(sched, new)
+        if self.metrics is not None:
+            self.metrics.scheduled(new, start)
         result = self.runner.execute(sched)
         changed = self.scheduler.update_from_output(sched, result)
         outputs, stopped = self.output_processor.process(changed, result)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         now = time.monotonic()
-        for request in changed:
-            self.metrics.new_token(request, now)
+        if self.metrics is not None:
+            for request in changed:
+                self.metrics.new_token(request, now)
+        if self.tracer is not None:
+            self._trace_step(sched, changed, now - start)
         self._record_finished(now)
         return outputs
 
     def _record_finished(self, now: float) -> None:
         for request in self.scheduler.just_finished:
-            self.metrics.request_finished(request, now)
+            if self.metrics is not None:
+                self.metrics.request_finished(request, now)
+            if self.tracer is not None:
+                self._preempted.discard(request.request_id)
+                self.tracer.event(
+                    "finished",
+                    request.request_id,
+                    reason=request.status.finish_reason,
+                    output_tokens=request.num_output_tokens,
+                )
         self.scheduler.just_finished.clear()
 
+    def _trace_scheduled(self, sched: SchedulerOutput, new: list[Request]) -> None:
+        assert self.tracer is not None
+        for request_id in sched.preempted_ids:
+            self._preempted.add(request_id)
+            self.tracer.event("preempted", request_id)
+        for request in new:
+            self.tracer.event("scheduled", request.request_id, cached=request.num_cached_tokens)
+        for s in sched.scheduled:
+            if s.request_id in self._preempted:
+                self._preempted.discard(s.request_id)
+                self.tracer.event("resumed", s.request_id)
+
+    def _trace_step(self, sched: SchedulerOutput, changed: list[Request], duration: float) -> None:
+        assert self.tracer is not None
+        prefill_tokens = 0
+        for s in sched.scheduled:
+            if s.start_pos < len(s.prompt_token_ids):  # a prompt chunk (or its recompute)
+                prefill_tokens += s.num_tokens
+                self.tracer.event(
+                    "prefill_chunk",
+                    s.request_id,
+                    start=s.start_pos,
+                    tokens=s.num_tokens,
+                    duration=round(duration, 6),
+                )
+        for request in changed:
+            if request.num_output_tokens == 1:
+                self.tracer.event("first_token", request.request_id)
+        self.tracer.event(
+            "step",
+            duration=round(duration, 6),
+            requests=len(sched.scheduled),
+            prefill_tokens=prefill_tokens,
+            decode_tokens=sched.num_tokens - prefill_tokens,
+        )
+
     def stats(self) -> EngineStats:
-        s, kv = self.scheduler, self.scheduler.kv
+        s, kv, m = self.scheduler, self.scheduler.kv, self.metrics
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -127,9 +197,9 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_hits,
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_total=kv.pool.num_blocks,
-            prompt_tokens=self.metrics.prompt_tokens,
-            generation_tokens=self.metrics.generation_tokens,
-            finished=tuple(sorted(self.metrics.finished.items())),
+            prompt_tokens=m.prompt_tokens if m else 0,
+            generation_tokens=m.generation_tokens if m else 0,
+            finished=tuple(sorted(m.finished.items())) if m else (),
         )
 
     def check_integrity(self) -> None:

@@ -31,12 +31,11 @@ class EngineMetrics:
         self.finished: Counter[str] = Counter()  # finish reason -> requests
         self._observations: list[tuple[str, float]] = []
 
-    def scheduled(self, requests: Iterable[Request], now: float) -> None:
-        for r in requests:
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
-                self.prompt_tokens += r.num_prompt_tokens
-                self._observations.append(("vllm:request_queue_time_seconds", now - r.arrival_time))
+    def scheduled(self, first_time: Iterable[Request], now: float) -> None:
+        """Requests scheduled for the first time."""
+        for r in first_time:
+            self.prompt_tokens += r.num_prompt_tokens
+            self._observations.append(("vllm:request_queue_time_seconds", now - r.arrival_time))
 
     def new_token(self, r: Request, now: float) -> None:
         self.generation_tokens += 1

@@ -106,7 +106,7 @@ class EngineService:
         if self._on_stats is None:
             return
         stats = self.engine.stats()
-        observations = self.engine.metrics.drain()
+        observations = self.engine.metrics.drain() if self.engine.metrics else []
         if stats != self._last_stats or observations:
             self._last_stats = stats
             try:

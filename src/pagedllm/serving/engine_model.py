@@ -145,9 +145,15 @@ class _Stream:
 
 
 class EngineModel:
-    def __init__(self, config: EngineConfig, on_stats: OnStats | None = None) -> None:
-        """`on_stats` (optional, called on the engine thread) feeds metrics."""
-        self.engine = LLMEngine(config)
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_stats: OnStats | None = None,
+        trace_file: str | None = None,
+    ) -> None:
+        """`on_stats` (optional, called on the engine thread) feeds metrics (None: the engine
+        records none); `trace_file`: request-lifecycle events, one JSON object per line."""
+        self.engine = LLMEngine(config, metrics=on_stats is not None, trace_file=trace_file)
         self.service = EngineService(self.engine, on_stats).start()
         # responses are built and sent on their own thread, in order: a send is an IPC round
         # trip to the server, and the engine thread goes on with the next step meanwhile
@@ -209,3 +215,4 @@ class EngineModel:
         self.service.shutdown(drain=False, timeout=30)
         self._outbox.put(None)
         self._sender.join(timeout=30)
+        self.engine.close()

@@ -33,7 +33,9 @@ def make_server(
     dtype: str = "auto",
     work_dir: Path | None = None,
     log_verbose: int = 0,
+    env: dict[str, str] | None = None,
 ) -> TritonServer:
+    """`env`: more settings for the models, e.g. PAGEDLLM_TRACE_FILE (docs/serving.md)."""
     work = work_dir or Path.home() / ".cache" / "pagedllm" / "triton"
     backend = prepare_backend_dir(work / "backends", f"{sys.version_info[0]}.{sys.version_info[1]}")
     return TritonServer(
@@ -43,13 +45,22 @@ def make_server(
         log_path=work / "tritonserver.log",
         log_verbose=log_verbose,
         ports=ports,
-        env={"PAGEDLLM_MODEL_DIR": model_dir, "PAGEDLLM_DTYPE": dtype},
+        env={"PAGEDLLM_MODEL_DIR": model_dir, "PAGEDLLM_DTYPE": dtype, **(env or {})},
         start_timeout=600.0,
     )
 
 
-def serve(model_dir: str, http_port: int, grpc_port: int, metrics_port: int, dtype: str) -> int:
-    server = make_server(model_dir, ports=(http_port, grpc_port, metrics_port), dtype=dtype)
+def serve(
+    model_dir: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    dtype: str,
+    env: dict[str, str] | None = None,
+) -> int:
+    server = make_server(
+        model_dir, ports=(http_port, grpc_port, metrics_port), dtype=dtype, env=env
+    )
     print(f"starting tritonserver with {model_dir} (log: {server.log_path}) ...", flush=True)
     with server:
         print(
