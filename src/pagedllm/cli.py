@@ -1,9 +1,10 @@
-"""`pagedllm` command line: `pagedllm prepare-model`, `pagedllm generate`."""
+"""`pagedllm` command line: `prepare-model`, `generate`, `serve`, `openai`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pagedllm import prepare
 
@@ -17,6 +18,19 @@ def _generate(args: argparse.Namespace) -> int:
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         print(out.outputs[0].text)
     return 0
+
+
+def _openai(args: argparse.Namespace) -> int:
+    from pagedllm.openai.app import GatewayConfig, serve
+
+    config = GatewayConfig(
+        triton_url=args.triton_url,
+        model_dir=args.model_dir or str(prepare.prepare_smollm2()),
+        served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        triton_model=args.triton_model,
+    )
+    return serve(config, args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +51,37 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument(
+        "--trace-file", default=None, help="append request-lifecycle events here (JSON lines)"
+    )
+    t = sub.add_parser("trace", help="lifecycle events (JSON lines) -> Chrome/Perfetto trace")
+    t.add_argument("events")
+    t.add_argument("-o", "--output", default="trace.json")
+    o = sub.add_parser("openai", help="OpenAI-compatible API in front of a running tritonserver")
+    o.add_argument("--triton-url", default="localhost:8001", help="gRPC host:port of Triton")
+    o.add_argument("--host", default="127.0.0.1")
+    o.add_argument("--port", type=int, default=9000)
+    o.add_argument(
+        "--model-dir", default=None, help="the served HF model dir: tokenizer, chat template"
+    )
+    o.add_argument("--served-model-name", default=None, help="default: the model dir's name")
+    o.add_argument("--chat-template", default=None, help="a Jinja file overriding the model's")
+    o.add_argument("--triton-model", default="ensemble", help="default %(default)s")
     args = ap.parse_args(argv)
+    if args.command == "openai":
+        return _openai(args)
     if args.command == "serve":
         from pagedllm.serving.launcher import serve
 
         model = args.model or str(prepare.prepare_smollm2())
-        return serve(model, args.http_port, args.grpc_port, args.metrics_port, args.dtype)
+        env = (
+            {"PAGEDLLM_TRACE_FILE": str(Path(args.trace_file).resolve())} if args.trace_file else {}
+        )
+        return serve(model, args.http_port, args.grpc_port, args.metrics_port, args.dtype, env)
+    if args.command == "trace":
+        from pagedllm.engine import tracing
+
+        return tracing.main([args.events, "-o", args.output])
     if args.command == "prepare-model":
         argv2 = (["--dest", args.dest] if args.dest else []) + (["--force"] if args.force else [])
         return prepare.main(argv2)

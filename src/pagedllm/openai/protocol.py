@@ -1,0 +1,262 @@
+"""OpenAI's request bodies (validated with pydantic) and the error shape.
+
+Unknown fields are refused by name, as OpenAI does; fields that OpenAI has but the `ensemble`
+cannot honour (top alternatives in log-probs, token-id prompts, tools, ...) are refused with a
+400 naming the field rather than ignored. vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`) are accepted, as vLLM's server does
+(`extra_body` in the `openai` client).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# more samples than this per request are refused (each is its own Triton request)
+MAX_N = 16
+MAX_SEED = 2**63  # the engine's seeds are in [0, 2**63)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Body):
+    """The fields completions and chat completions share."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+
+    def check(self) -> None:
+        """Cross-field checks pydantic's per-field constraints cannot express."""
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
+            raise bad_request(f"seed + n - 1 must be below 2**63, got {self.seed}", "seed")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 4:
+            raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise bad_request("stop sequences must not be empty", "stop")
+
+    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
+        """The engine's `sampling_parameters` (vLLM names) for one sample, without its seed."""
+        values: dict[str, Any] = {"max_tokens": max_tokens}
+        for name in (
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "ignore_eos",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        if self.stop:
+            values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return values
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None and self.logprobs > 0:
+            raise bad_request(
+                "logprobs must be 0 here: only the chosen token's log-prob is available "
+                f"(no top alternatives), got {self.logprobs}",
+                "logprobs",
+            )
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs needs the prompt's log-probs: not supported", "echo"
+            )
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of must equal n (no server-side ranking)", "best_of")
+        if not self.prompts():
+            raise bad_request("prompt must not be empty", "prompt")
+
+    def prompts(self) -> list[str]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, str) for p in self.prompt):
+            return [str(p) for p in self.prompt]
+        raise bad_request("token-id prompts are not supported: the ensemble takes text", "prompt")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # other keys (name, tool_call_id, ...) are passed to the chat template as they are
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, index: int) -> str | None:
+        """The content as one string (text parts joined); other parts are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"only text content parts are supported, got type {part.get('type')!r}",
+                    f"messages[{index}].content[{j}]",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and self.top_logprobs > 0:
+            raise bad_request(
+                "top_logprobs must be 0 here: only the chosen token's log-prob is available "
+                f"(no top alternatives), got {self.top_logprobs}",
+                "top_logprobs",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens, else the deprecated max_tokens; None: up to the context."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them: dicts with string content."""
+        out = []
+        for i, message in enumerate(self.messages):
+            item = message.model_dump(exclude_none=True)
+            text = message.text(i)
+            item["content"] = "" if text is None else text
+            out.append(item)
+        return out
+
+
+def parse_body(model: type[_SamplingRequest], raw: Any) -> Any:
+    """Validate a decoded JSON body; APIError 400 naming the first failing field."""
+    if not isinstance(raw, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = _param_name(first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param) from None
+        if first["type"] == "missing":
+            raise bad_request(f"Missing required parameter: {param}", param) from None
+        raise bad_request(f"{param}: {first['msg']}", param) from None
+    request.check()
+    return request
+
+
+def _param_name(loc: tuple[int | str, ...]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; union branches (pydantic adds the
+    tried type's name, e.g. 'str' or 'list[str]') are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in {"str", "int", "float", "bool", "dict"}:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out

@@ -1,0 +1,167 @@
+"""One generation from the `ensemble` model over gRPC streaming (`tritonclient.grpc.aio`).
+
+Every generation is one request with `stream=true` on its own bidirectional stream. Stopping
+the iteration early (the consumer is cancelled or closes the generator) cancels the gRPC call:
+Triton cancels the ensemble request, the detokenizer notices it on the next streamed response
+and the engine aborts the request at its next step, freeing its KV blocks (docs/serving.md,
+Cancellation).
+
+NOTE: requests are streamed from Triton even when the OpenAI client did not ask for a stream.
+A `stream=false` ensemble request sends no response until it ends, so nothing in the pipeline
+would notice its cancellation: the engine would run it to the end for a client long gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+# messages of Triton-side failures that are the server's fault, not the request's
+_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "not found", "failed to connect")
+
+
+class TritonError(Exception):
+    """A failed generation: `status` 400 for a request the model refused (our message),
+    503 when Triton cannot be reached or cannot serve the model."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One Triton request: prompt text and vLLM-named sampling parameters."""
+
+    prompt: str
+    sampling: dict[str, Any]
+    logprobs: bool = False
+
+
+@dataclass
+class Chunk:
+    """One streamed response: the new text, the ids it adds and
+    their log-probs, `finish_reason` ("" until the last) and cumulative token counts."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+def _tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def make_inputs(generation: Generation) -> list[grpcclient.InferInput]:
+    def text(value: str) -> np.ndarray:
+        return np.array([value.encode("utf-8")], dtype=np.object_)
+
+    def flag(value: bool) -> np.ndarray:
+        return np.array([value], dtype=np.bool_)
+
+    return [
+        _tensor("text_input", "BYTES", text(generation.prompt)),
+        _tensor("sampling_parameters", "BYTES", text(json.dumps(generation.sampling))),
+        _tensor("stream", "BOOL", flag(True)),
+        _tensor("exclude_input_in_output", "BOOL", flag(True)),
+        _tensor("return_log_probs", "BOOL", flag(generation.logprobs)),
+    ]
+
+
+def to_chunk(result: Any) -> Chunk:
+    def array(name: str) -> np.ndarray:
+        value = result.as_numpy(name)
+        return np.zeros(0) if value is None else value.reshape(-1)
+
+    def scalar(name: str, default: Any) -> Any:
+        value = array(name)
+        return value[0] if value.size else default
+
+    text, reason = scalar("text_output", b""), scalar("finish_reason", b"")
+    return Chunk(
+        text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
+        token_ids=[int(i) for i in array("output_token_ids")],
+        log_probs=[float(x) for x in array("output_log_probs")],
+        finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
+        num_input_tokens=int(scalar("num_input_tokens", 0)),
+        num_output_tokens=int(scalar("num_output_tokens", 0)),
+    )
+
+
+def _request_error(message: str) -> TritonError:
+    lowered = message.lower()
+    status = 503 if any(hint in lowered for hint in _UNAVAILABLE_HINTS) else 400
+    return TritonError(status, message)
+
+
+class TritonBridge:
+    """Streams generations from `model` on the server at `url` (host:port of gRPC). The
+    channel is created on first use, in the running event loop."""
+
+    def __init__(self, url: str, model: str = "ensemble") -> None:
+        self.url = url
+        self.model = model
+        self._client: grpcclient.InferenceServerClient | None = None
+
+    def client(self) -> grpcclient.InferenceServerClient:
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def is_ready(self) -> bool:
+        """The server is ready and serves `model`."""
+        try:
+            return bool(await self.client().is_model_ready(self.model))
+        except (InferenceServerException, grpc.RpcError):
+            return False
+
+    async def generate(self, generation: Generation) -> AsyncIterator[Chunk]:
+        """Yield the request's responses up to the one with a finish_reason. Raises
+        TritonError. Closing the generator before the end cancels the request."""
+        sent = asyncio.Event()  # the request iterator stays open until the request is over
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": self.model, "inputs": make_inputs(generation)}
+            await sent.wait()
+
+        call = None
+        finished = False
+        try:
+            call = self.client().stream_infer(requests())
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise _request_error(str(error.message()))
+                chunk = to_chunk(result)
+                if chunk.finish_reason:
+                    finished = True
+                    sent.set()  # half-close: Triton ends the stream
+                yield chunk
+        except grpc.RpcError as e:
+            details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            raise TritonError(503, f"Triton at {self.url} is unavailable: {details}") from None
+        except InferenceServerException as e:
+            raise TritonError(503, f"Triton at {self.url}: {e.message()}") from None
+        finally:
+            sent.set()
+            if call is not None and not finished:
+                call.cancel()  # Triton cancels the ensemble request, the engine aborts it
