@@ -38,11 +38,9 @@ class TritonPythonModel:
                 return None if t is None else t.as_numpy()
 
             if request.is_cancelled():
-                # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5)
+                # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5);
+                # the response still goes out, so the ensemble request completes
                 self._abort(self.model.request_id(get))
-                error = pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED)
-                responses.append(pb_utils.InferenceResponse(error=error))
-                continue
             tensors = self.model.handle(get)
             responses.append(
                 pb_utils.InferenceResponse(
