@@ -120,3 +120,8 @@ def test_input_ids_from_the_tokenizer_model_are_the_prompt() -> None:
 def test_n_above_one_is_refused_with_the_reason() -> None:
     with pytest.raises(RequestError, match="n must be 1 here"):
         parse_request(tensors(text_input="Hi", sampling_parameters='{"n": 2}'))
+
+
+def test_return_timing_flag() -> None:
+    assert parse_request(tensors(text_input="Hi", return_timing=True)).return_timing
+    assert not parse_request(tensors(text_input="Hi")).return_timing

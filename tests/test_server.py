@@ -433,3 +433,20 @@ def test_metrics_count_what_was_sent_and_received(server: TritonServer) -> None:
     assert delta("vllm:time_per_output_token_seconds_count") == sum(n - 1 for n in lengths)
     assert delta("vllm:request_generation_tokens_sum") == sum(lengths)
     assert delta("vllm:prefix_cache_queries_total") == prompt_tokens
+
+
+def test_timing_outputs_on_request(server: TritonServer) -> None:
+    start = time.monotonic()
+    _, text = post(
+        f"{server.http_url}/v2/models/ensemble/generate_stream",
+        body(stream=True, return_timing=True),
+    )
+    elapsed_ms = (time.monotonic() - start) * 1000
+    events = sse_events(text)
+    assert all("queue_time_ms" not in e for e in events[:-1])  # the last response only
+    last = events[-1]
+    assert 0 <= last["queue_time_ms"] <= last["time_to_first_token_ms"] < elapsed_ms
+    _, text = post(f"{server.http_url}/v2/models/ensemble/generate", body())
+    assert "queue_time_ms" not in json.loads(text)  # not asked
+    _, text = post(f"{server.http_url}/v2/models/ensemble/generate", body(return_timing=True))
+    assert json.loads(text)["time_to_first_token_ms"] > 0

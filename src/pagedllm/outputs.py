@@ -34,6 +34,26 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When the request arrived, was first scheduled and got its first token
+    (`time.monotonic()` seconds; None until it happened)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        t = self.first_scheduled_time
+        return None if t is None else t - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        t = self.first_token_time
+        return None if t is None else t - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -43,3 +63,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     # prompt tokens whose KV came from the prefix cache
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

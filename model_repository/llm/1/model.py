@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
-OUTPUTS += ["output_log_probs", "output_token_ids"]
+OUTPUTS += ["output_log_probs", "output_token_ids", "queue_time_ms", "time_to_first_token_ms"]
 
 
 class TritonPythonModel:

@@ -13,6 +13,8 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
 import json  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
@@ -24,10 +26,13 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class _Metrics:
-    """vLLM-named metrics on Triton's metrics port (`pagedllm.serving.metrics`); set from the
-    engine thread."""
+    """vLLM-named metrics on Triton's metrics port (`pagedllm.serving.metrics`). Every update
+    is a message to the server, one per token for the inter-token histogram: they are applied
+    on their own thread, off the engine's."""
 
     def __init__(self, labels):
+        self.queue = queue.SimpleQueue()
+        threading.Thread(target=self._apply, name="pagedllm-metrics", daemon=True).start()
         self.labels = labels
         self.exporter = MetricsExporter()
         kinds = pb_utils.MetricFamily
@@ -51,6 +56,13 @@ class _Metrics:
         return self.metrics[key]
 
     def __call__(self, stats, observations):
+        self.queue.put((stats, observations))
+
+    def _apply(self):
+        while True:
+            self._update(*self.queue.get())
+
+    def _update(self, stats, observations):
         for u in self.exporter.updates(stats, observations):
             metric = self._metric(u.name, u.labels)
             if u.kind == "counter":

@@ -126,12 +126,15 @@ class LLMEngine:
             self.metrics.scheduled(new, start)
         result = self.runner.execute(sched)
         changed = self.scheduler.update_from_output(sched, result)
+        now = time.monotonic()
+        for request in changed:
+            if self.metrics is not None:
+                self.metrics.new_token(request, now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
         outputs, stopped = self.output_processor.process(changed, result)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        now = time.monotonic()
-        if self.metrics is not None:
-            for request in changed:
-                self.metrics.new_token(request, now)
         if self.tracer is not None:
             self._trace_step(sched, changed, now - start)
         self._record_finished(now)

@@ -38,15 +38,14 @@ class EngineMetrics:
             self._observations.append(("vllm:request_queue_time_seconds", now - r.arrival_time))
 
     def new_token(self, r: Request, now: float) -> None:
+        """Before the engine stamps the request with `now`."""
         self.generation_tokens += 1
         if r.first_token_time is None:
-            r.first_token_time = now
             self._observations.append(("vllm:time_to_first_token_seconds", now - r.arrival_time))
         else:
             assert r.last_token_time is not None
             gap = now - r.last_token_time
             self._observations.append(("vllm:time_per_output_token_seconds", gap))
-        r.last_token_time = now
 
     def request_finished(self, r: Request, now: float) -> None:
         self.finished[r.status.finish_reason or ""] += 1

@@ -7,7 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.scheduler import RunnerOutput, TokenLogprobs
-from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.text.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
@@ -224,6 +230,9 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=prompt_lp,
             num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                first.arrival_time, first.first_scheduled_time, first.first_token_time
+            ),
         )
 
     @staticmethod

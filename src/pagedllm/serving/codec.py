@@ -6,7 +6,8 @@ scalars (`max_tokens`, `temperature`, ...); and `sampling_parameters`, one JSON 
 vLLM's names. Both may be sent: the JSON object is read first and scalar tensors override
 its keys. Unknown JSON keys are rejected (naming them), so a misspelled parameter never
 passes silently. Flags: `stream` (one response per step vs exactly one),
-`exclude_input_in_output`, `return_log_probs` (the chosen tokens' log-probs). Inside the
+`exclude_input_in_output`, `return_log_probs` (the chosen tokens' log-probs), `return_timing`
+(queue time and time to first token on the last response). Inside the
 ensemble the `tokenizer` model adds `input_ids` (the prompt's token ids); `text_input` then only
 supplies the prompt text that a non-streamed output starts with.
 """
@@ -38,7 +39,7 @@ SCALAR_INPUTS = {
     "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
-FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_log_probs")
+FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_log_probs", "return_timing")
 ALL_INPUTS = (
     "text_input",
     "input_ids",
@@ -64,6 +65,8 @@ class GenerateRequest:
     # as Triton's vLLM and TensorRT-LLM backends: a non-streamed text_output starts with the
     # prompt unless the client sets exclude_input_in_output; streamed outputs never do
     exclude_input_in_output: bool = False
+    # the last response carries queue_time_ms and time_to_first_token_ms
+    return_timing: bool = False
 
 
 def _single(name: str, array: np.ndarray) -> Any:
@@ -141,4 +144,5 @@ def parse_request(get: Getter) -> GenerateRequest:
         prompt_token_ids=None if ids is None else [int(i) for i in ids.reshape(-1)],
         stream=flags.get("stream", False),
         exclude_input_in_output=flags.get("exclude_input_in_output", False),
+        return_timing=flags.get("return_timing", False),
     )

@@ -12,7 +12,8 @@ one response per token):
   (`text.detokenizer.window_text`);
 - `meta` (`META` order): the window's length, `final` (flush an unfinished character),
   `skip_special_tokens`, and, for the client, `num_input_tokens`, `num_output_tokens`, `index`
-  (0, 1, ... per response);
+  (0, 1, ... per response) and, on the last response when asked, the queue time and the time
+  to first token;
 - `strings`: `text`, put first by the detokenizer — the prompt of a non-streamed output
   (unless `exclude_input_in_output`), or, for requests with stop strings, the whole new text
   (those are detokenized here: only the engine can stop on text, fact 4; every other request
@@ -54,6 +55,8 @@ META = (
     "num_input_tokens",
     "num_output_tokens",
     "index",
+    "queue_time_us",  # -1 unless this is the last response of a request that asked for timing
+    "time_to_first_token_us",
 )
 # send(tensors, final) / fail(message): the adapter turns them into Triton responses
 Send = Callable[[Tensors, bool], None]
@@ -105,6 +108,7 @@ class _Stream:
     skip_special_tokens: bool
     detokenized: bool  # stop strings: the engine's text is sent, not ids
     prefix: str  # the prompt, first in a non-streamed output
+    return_timing: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
     responses: int = 0
 
@@ -133,6 +137,7 @@ class _Stream:
             len(out.prompt_token_ids),
             len(self.output_ids),
             index,
+            *self._timing(out),
         ]
         strings = [s.encode("utf-8") for s in (text, finish, self.request_id)]
         return {
@@ -142,6 +147,17 @@ class _Stream:
             "output_log_probs": np.array(logprobs, dtype=np.float32),
             "output_token_ids": _ints(new),
         }
+
+    def _timing(self, out: RequestOutput) -> tuple[int, int]:
+        """Microseconds from arrival to first scheduled and to the first token, or -1."""
+        m = out.metrics
+        if not (self.return_timing and out.finished and m is not None):
+            return -1, -1
+
+        def us(seconds: float | None) -> int:
+            return -1 if seconds is None else min(int(seconds * 1e6), 2**31 - 1)
+
+        return us(m.queue_time), us(m.time_to_first_token)
 
 
 class EngineModel:
@@ -181,6 +197,7 @@ class EngineModel:
             skip_special_tokens=params.skip_special_tokens,
             detokenized=detokenized,
             prefix="" if req.stream or req.exclude_input_in_output else req.prompt,
+            return_timing=req.return_timing,
         )
 
         def respond(out: RequestOutput) -> None:

@@ -41,10 +41,6 @@ class MetricsExporter:
     def updates(
         self, stats: EngineStats, observations: list[tuple[str, float]]
     ) -> Iterator[Update]:
-        yield Update("gauge", "vllm:num_requests_running", stats.num_running)
-        yield Update("gauge", "vllm:num_requests_waiting", stats.num_waiting)
-        usage = stats.kv_blocks_used / stats.kv_blocks_total
-        yield Update("gauge", "vllm:kv_cache_usage_perc", usage)
         totals: list[tuple[str, tuple[tuple[str, str], ...], float]] = [
             ("vllm:prompt_tokens_total", (), stats.prompt_tokens),
             ("vllm:generation_tokens_total", (), stats.generation_tokens),
@@ -63,3 +59,8 @@ class MetricsExporter:
                 yield Update("counter", name, delta, labels)
         for name, value in observations:
             yield Update("histogram", name, value)
+        # gauges last: a scraper that sees the engine idle also sees everything counted
+        yield Update("gauge", "vllm:num_requests_running", stats.num_running)
+        yield Update("gauge", "vllm:num_requests_waiting", stats.num_waiting)
+        usage = stats.kv_blocks_used / stats.kv_blocks_total
+        yield Update("gauge", "vllm:kv_cache_usage_perc", usage)

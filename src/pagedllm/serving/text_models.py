@@ -71,6 +71,10 @@ class DetokenizerModel:
         }
         for name in META_OUTPUTS:
             out[name] = np.array([meta[name]], dtype=np.int32)
+        if meta["queue_time_us"] >= 0:  # asked for, on the last response only
+            for name in ("queue_time", "time_to_first_token"):
+                ms = meta[f"{name}_us"] / 1000
+                out[f"{name}_ms"] = np.array([ms], dtype=np.float32)
         for name in PASSTHROUGH:
             out[name] = _required(get, name)
         return out
