@@ -4,9 +4,12 @@ on the same prompts, at each concurrency; one JSON document on stdout (and in --
     python -m client.benchmark [--model-dir DIR] [--concurrency 1 8 32] [--max-tokens 64]
     python -m client.benchmark --url localhost:8001 --model-dir DIR   # a server already running
 
-Without --url the benchmark starts tritonserver itself (`pagedllm.serving.launcher`), measures
-every concurrency level, stops it, and only then runs the offline engine
-(`pagedllm.LLM(model_dir, dtype=..., max_num_seqs=c)`), so the two never share the CPU.
+Without --url the benchmark starts tritonserver itself (`pagedllm.serving.launcher`) and, level
+by level, measures the served run, then pauses the server (SIGSTOP to its process group: it
+uses no CPU) and runs the offline engine (`pagedllm.LLM(model_dir, dtype=..., max_num_seqs=c)`)
+on the same prompts, then resumes the server: the two never share the CPU, and the two runs of
+a level are a minute apart, so a machine whose speed drifts affects both alike. `--rounds R`
+repeats every level R times and reports the median ratio.
 
 Workload per level: N requests (--num-requests, default 4 x concurrency and at least 8), at
 most c in flight, greedy, ignore_eos, so every request produces exactly --max-tokens tokens.
@@ -31,6 +34,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -355,11 +359,25 @@ def level_report(
     }
 
 
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median ratio (the served one's if there is no offline run), with
+    every round's ratio alongside."""
+    key = "ratio" if rounds[0]["ratio"] is not None else "served_tokens_per_s"
+    ordered = sorted(rounds, key=lambda r: r[key])
+    report = dict(ordered[(len(ordered) - 1) // 2])
+    if len(rounds) > 1:
+        report["rounds"] = [
+            {k: r[k] for k in ("served_tokens_per_s", "offline_tokens_per_s", "ratio")}
+            for r in rounds
+        ]
+    return report
+
+
 @contextlib.contextmanager
-def server_url(args: argparse.Namespace) -> Iterator[tuple[str, bool]]:
-    """(gRPC url, started here): the --url server, or one started for the benchmark."""
+def server_url(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
+    """(gRPC url, process group of a server started here, or None for --url)."""
     if args.url:
-        yield args.url, False
+        yield args.url, None
         return
     from pagedllm.serving.launcher import make_server
 
@@ -367,8 +385,21 @@ def server_url(args: argparse.Namespace) -> Iterator[tuple[str, bool]]:
     server = make_server(args.model_dir, dtype=args.dtype, work_dir=work)
     log(f"starting tritonserver (log: {server.log_path}) ...")
     with server:
-        yield server.grpc_url, True
+        assert server.process is not None
+        yield server.grpc_url, server.process.pid  # its own process group, with the stubs
     log("tritonserver stopped")
+
+
+@contextlib.contextmanager
+def paused(pgid: int | None) -> Iterator[None]:
+    """The server (and its stubs) stopped meanwhile, so that it uses no CPU."""
+    if pgid is not None:
+        os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if pgid is not None:
+            os.killpg(pgid, signal.SIGCONT)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -392,6 +423,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "torch.set_num_threads offline; default: torch's, one per core)",
     )
     ap.add_argument("--no-offline", action="store_true", help="skip the offline engine")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each level; median ratio")
     ap.add_argument("--work-dir", help="server logs and backend dir (default ~/.cache/pagedllm)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per level")
     ap.add_argument("--output", help="also write the JSON report here")
@@ -420,20 +452,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         levels.append((c, make_prompts(tokenizer, n, args.prompt_len, seed=1000 * (k + 1))))
         warmups.append(make_prompts(tokenizer, 1, 8, seed=k)[0])
 
-    with server_url(args) as (url, started):
-        served = run_served(url, args.model, levels, warmups, args.max_tokens, args.timeout)
-
     results = []
-    for (c, prompts), warm, (summary, texts) in zip(levels, warmups, served, strict=True):
-        offline, matches = None, None
-        if not args.no_offline:
-            log(f"offline: concurrency {c}")
-            offline, offline_texts = run_offline(
-                args.model_dir, args.dtype, c, prompts, warm, args.max_tokens
-            )
-            matches = sum(a == b for a, b in zip(texts, offline_texts, strict=True))
-            log(f"offline: concurrency {c}: {offline['tokens_per_s']} tok/s")
-        results.append(level_report(c, summary, offline, matches))
+    with server_url(args) as (url, pgid):
+        for level, warm in zip(levels, warmups, strict=True):
+            rounds = []
+            for _ in range(args.rounds):
+                c, prompts = level
+                [(summary, texts)] = run_served(
+                    url, args.model, [level], [warm], args.max_tokens, args.timeout
+                )
+                offline, matches = None, None
+                if not args.no_offline:
+                    with paused(pgid):
+                        log(f"offline: concurrency {c}")
+                        offline, offline_texts = run_offline(
+                            args.model_dir, args.dtype, c, prompts, warm, args.max_tokens
+                        )
+                    matches = sum(a == b for a, b in zip(texts, offline_texts, strict=True))
+                    log(f"offline: concurrency {c}: {offline['tokens_per_s']} tok/s")
+                rounds.append(level_report(c, summary, offline, matches))
+            results.append(median_round(rounds))
 
     return {
         "model_dir": args.model_dir,
@@ -443,8 +481,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
         "server": {
             "url": url,
-            "started_by_benchmark": started,
-            "running_during_offline": not started,
+            "started_by_benchmark": pgid is not None,
+            "paused_during_offline": pgid is not None,
         },
         "workload": {
             "max_tokens": args.max_tokens,
