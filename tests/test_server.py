@@ -6,7 +6,6 @@ generate_stream and tritonclient gRPC streaming; the `llm` entry point over KSer
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import urllib.request
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import server_metrics
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind
@@ -83,34 +83,13 @@ def sse_events(text: str) -> list[dict[str, Any]]:
 
 
 def metrics(server: TritonServer) -> dict[str, float]:
-    """The vllm:* samples of Triton's metrics endpoint, keyed by name{labels}."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        m = re.match(r"(vllm:\w+)\{([^}]*)\} (\S+)", line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            extra = ",".join(f"{k}={v}" for k, v in labels.items() if k not in ("model", "version"))
-            samples[m.group(1) + (f"{{{extra}}}" if extra else "")] = float(m.group(3))
-    return samples
+    """The vllm:* samples of the server's metrics endpoint (see server_metrics.py)."""
+    return server_metrics.metrics(server.metrics_url)
 
 
 def wait_idle(server: TritonServer, timeout: float) -> float:
     """Seconds until no request runs or waits and no KV block is in use."""
-    start = time.monotonic()
-    while True:
-        m = metrics(server)
-        idle = (
-            m.get("vllm:num_requests_running") == 0
-            and m.get("vllm:num_requests_waiting") == 0
-            and m.get("vllm:kv_cache_usage_perc") == 0
-        )
-        elapsed = time.monotonic() - start
-        if idle or elapsed > timeout:
-            assert idle, m
-            return elapsed
-        time.sleep(0.02)
+    return server_metrics.wait_idle(server.metrics_url, timeout)
 
 
 def grpc_inputs(values: dict[str, Any]) -> list[Any]:
