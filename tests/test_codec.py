@@ -125,3 +125,14 @@ def test_n_above_one_is_refused_with_the_reason() -> None:
 def test_return_timing_flag() -> None:
     assert parse_request(tensors(text_input="Hi", return_timing=True)).return_timing
     assert not parse_request(tensors(text_input="Hi")).return_timing
+
+
+def test_instance_device_follows_the_instance_kind() -> None:
+    from pagedllm.serving.engine_model import instance_device
+
+    assert instance_device({}) == "cpu"
+    assert instance_device({}, "GPU", 2) == "cuda:2"  # KIND_GPU: the GPU Triton gave it
+    assert instance_device({"device": "cuda"}, "CPU", 0) == "cuda:0"
+    assert instance_device({"device": "cpu"}, "GPU", 1) == "cpu"
+    with pytest.raises(ValueError, match="device must be"):
+        instance_device({"device": "tpu"})

@@ -552,6 +552,9 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: dict[str, Any]) -> 
         "max_model_len": 96,
         "kv_cache_memory": GIB // 2,
         "enable_prefix_caching": False,
+        "device": "cpu",
+        "gpu_memory_utilization": 0.9,
+        "enforce_eager": False,
     }
 
 

@@ -19,7 +19,12 @@ import threading  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.sampling_params import to_bool  # noqa: E402
-from pagedllm.serving.engine_model import EngineModel, engine_config, setting  # noqa: E402
+from pagedllm.serving.engine_model import (  # noqa: E402
+    EngineModel,
+    engine_config,
+    instance_device,
+    setting,
+)
 from pagedllm.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, MetricsExporter  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -79,8 +84,11 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         labels = {"model": args["model_name"], "version": args["model_version"]}
         metrics = to_bool("metrics", setting(params, "metrics", "true"))
+        device = instance_device(
+            params, args["model_instance_kind"], int(args["model_instance_device_id"])
+        )
         self.model = EngineModel(
-            engine_config(params),
+            engine_config(params, device),
             on_stats=_Metrics(labels) if metrics else None,
             trace_file=setting(params, "trace_file") or None,
         )

@@ -79,12 +79,28 @@ def model_dir(parameters: dict[str, str]) -> str:
     return path
 
 
-def engine_config(parameters: dict[str, str]) -> EngineConfig:
+def instance_device(parameters: dict[str, str], kind: str = "CPU", device_id: int = 0) -> str:
+    """The engine's torch device: the `device` parameter or PAGEDLLM_DEVICE ("cpu", "cuda" or
+    "cuda:N"); "cuda" becomes the GPU Triton gave this instance (KIND_GPU:
+    `model_instance_kind` GPU, `model_instance_device_id` N). A KIND_GPU instance defaults to
+    it."""
+    device = setting(parameters, "device", "cuda" if kind == "GPU" else "cpu")
+    if device == "cuda":
+        device = f"cuda:{device_id}"
+    if not (device == "cpu" or device.startswith("cuda:")):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
+def engine_config(parameters: dict[str, str], device: str = "cpu") -> EngineConfig:
     def get(name: str, default: str) -> str:
         return setting(parameters, name, default)
 
     return EngineConfig.create(
         model_dir(parameters),
+        device=device,
+        gpu_memory_utilization=float(get("gpu_memory_utilization", "0.9")),
+        enforce_eager=to_bool("enforce_eager", get("enforce_eager", "false")),
         dtype=get("dtype", "auto"),
         max_num_seqs=int(get("max_num_seqs", "64")),
         max_model_len=int(get("max_model_len", "0")) or None,  # 0: the model's context
