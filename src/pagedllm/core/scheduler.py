@@ -46,6 +46,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # requests that left the scheduler since the previous step (runners drop their state)
     finished_ids: list[str] = field(default_factory=list)
+    # requests scheduled for the first time, and those resumed after a preemption
+    admitted: list[Request] = field(default_factory=list)
+    resumed_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +183,9 @@ class Scheduler:
             if request.status == RequestStatus.WAITING:  # first admission, not a resumption
                 request.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+                out.admitted.append(request)
+            else:
+                out.resumed_ids.append(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)

@@ -53,7 +53,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics() if metrics else None
         self.tracer = Tracer(trace_file) if trace_file else None
-        self._preempted: set[str] = set()
 
     def add_request(
         self,
@@ -116,14 +115,12 @@ class LLMEngine:
         if sched.is_empty:
             return []
         start = time.monotonic()
-        requests = (self.scheduler.requests[s.request_id] for s in sched.scheduled)
-        new = [r for r in requests if r.first_scheduled_time is None]
-        for request in new:
+        for request in sched.admitted:
             request.first_scheduled_time = start
         if self.tracer is not None:
-            self._trace_scheduled(sched, new)
+            self._trace_scheduled(sched)
         if self.metrics is not None:
-            self.metrics.scheduled(new, start)
+            self.metrics.scheduled(sched.admitted, start)
         result = self.runner.execute(sched)
         changed = self.scheduler.update_from_output(sched, result)
         now = time.monotonic()
@@ -145,7 +142,6 @@ class LLMEngine:
             if self.metrics is not None:
                 self.metrics.request_finished(request, now)
             if self.tracer is not None:
-                self._preempted.discard(request.request_id)
                 self.tracer.event(
                     "finished",
                     request.request_id,
@@ -154,17 +150,14 @@ class LLMEngine:
                 )
         self.scheduler.just_finished.clear()
 
-    def _trace_scheduled(self, sched: SchedulerOutput, new: list[Request]) -> None:
+    def _trace_scheduled(self, sched: SchedulerOutput) -> None:
         assert self.tracer is not None
         for request_id in sched.preempted_ids:
-            self._preempted.add(request_id)
             self.tracer.event("preempted", request_id)
-        for request in new:
+        for request in sched.admitted:
             self.tracer.event("scheduled", request.request_id, cached=request.num_cached_tokens)
-        for s in sched.scheduled:
-            if s.request_id in self._preempted:
-                self._preempted.discard(s.request_id)
-                self.tracer.event("resumed", s.request_id)
+        for request_id in sched.resumed_ids:
+            self.tracer.event("resumed", request_id)
 
     def _trace_step(self, sched: SchedulerOutput, changed: list[Request], duration: float) -> None:
         assert self.tracer is not None
