@@ -13,11 +13,10 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
-import json  # noqa: E402
-
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.engine_model import model_dir  # noqa: E402
 from pagedllm.serving.text_models import DetokenizerModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
@@ -25,28 +24,18 @@ from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = adapter.parameters(args)
         self.model = DetokenizerModel(Tokenizer.from_model_dir(model_dir(params)))
 
     def execute(self, requests):
         responses = []
         for request in requests:
-
-            def get(name, request=request):
-                t = pb_utils.get_input_tensor_by_name(request, name)
-                return None if t is None else t.as_numpy()
-
+            get = adapter.getter(pb_utils, request)
             if request.is_cancelled():
                 # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5);
                 # the response still goes out, so the ensemble request completes
                 self._abort(self.model.request_id(get))
-            tensors = self.model.handle(get)
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]
-                )
-            )
+            responses.append(adapter.response(pb_utils, self.model.handle(get)))
         return responses
 
     @staticmethod

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from pagedllm.serving import adapter  # noqa: E402
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 OUTPUTS = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens"]
 OUTPUTS += ["output_log_probs", "output_token_ids", "queue_time_ms", "time_to_first_token_ms"]
@@ -48,9 +50,9 @@ class TritonPythonModel:
                 elif response.output_tensors():  # skip the empty final one
                     result = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
             if result is None:
-                result = pb_utils.InferenceResponse(error=pb_utils.TritonError("no response"))
+                result = adapter.error(pb_utils, "no response")
         except Exception as e:  # any failure is this request's error, not the server's
-            result = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"llm: {e}"))
+            result = adapter.error(pb_utils, f"llm: {e}")
         sender.send(result, flags=FINAL)
 
     def finalize(self):

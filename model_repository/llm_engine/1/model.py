@@ -12,13 +12,13 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
-import json  # noqa: E402
 import queue  # noqa: E402
 import threading  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.sampling_params import to_bool  # noqa: E402
+from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.engine_model import (  # noqa: E402
     EngineModel,
     engine_config,
@@ -80,8 +80,7 @@ class _Metrics:
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = adapter.parameters(args)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         metrics = to_bool("metrics", setting(params, "metrics", "true"))
         device = instance_device(
@@ -102,20 +101,13 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 continue
 
-            def get(name, request=request):
-                t = pb_utils.get_input_tensor_by_name(request, name)
-                return None if t is None else t.as_numpy()
-
             def send(tensors, final, sender=sender):
-                response = pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]
-                )
-                sender.send(response, flags=FINAL if final else 0)
+                sender.send(adapter.response(pb_utils, tensors), flags=FINAL if final else 0)
 
             def fail(message, sender=sender):
-                error = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
-                sender.send(error, flags=FINAL)
+                sender.send(adapter.error(pb_utils, message), flags=FINAL)
 
+            get = adapter.getter(pb_utils, request)
             self.model.handle(get, send, fail, sender.is_cancelled)
         return None
 

@@ -12,10 +12,9 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
-import json  # noqa: E402
-
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
 from pagedllm.serving.engine_model import model_dir  # noqa: E402
 from pagedllm.serving.text_models import TokenizerModel  # noqa: E402
@@ -24,26 +23,16 @@ from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = adapter.parameters(args)
         self.model = TokenizerModel(Tokenizer.from_model_dir(model_dir(params)))
 
     def execute(self, requests):
         responses = []
         for request in requests:
-
-            def get(name, request=request):
-                t = pb_utils.get_input_tensor_by_name(request, name)
-                return None if t is None else t.as_numpy()
-
             try:
-                tensors = self.model.handle(get)
+                tensors = self.model.handle(adapter.getter(pb_utils, request))
             except RequestError as e:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                responses.append(adapter.error(pb_utils, str(e)))
                 continue
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()]
-                )
-            )
+            responses.append(adapter.response(pb_utils, tensors))
         return responses
