@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from pagedllm import LLM
+    from pagedllm.serving.tritonserver import TritonServer
 
 # No GPU here: `@triton.jit` kernels run in the Triton interpreter on CPU tensors. Triton reads
 # this when it is first imported (transformers imports it too), so it is set before anything.
@@ -126,3 +131,24 @@ def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int = 0) 
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {arch: make_checkpoint(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def server(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """A real tritonserver with the tiny llama checkpoint (float32), one per test module."""
+    from pagedllm.serving.launcher import make_server
+
+    with make_server(
+        str(checkpoints["llama"]), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: dict[str, Path]) -> LLM:
+    """The offline API on the same checkpoint: the servers' oracle."""
+    from pagedllm import LLM
+
+    return LLM(str(checkpoints["llama"]), dtype="float32")

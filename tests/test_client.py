@@ -8,14 +8,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_server import offline_text
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.serving.launcher import make_server
+from pagedllm import LLM
 from pagedllm.serving.tritonserver import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -23,24 +22,8 @@ PROMPT = "Once upon a time"
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def server(
-    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TritonServer]:
-    with make_server(
-        str(checkpoints["llama"]), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")
-    ) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path]) -> LLM:
-    return LLM(str(checkpoints["llama"]), dtype="float32")
-
-
 def greedy(llm: LLM, **extra: Any) -> str:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **extra)
-    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    return offline_text(llm, PROMPT, max_tokens=MAX_TOKENS, **extra)
 
 
 def run(module: str, *args: str, timeout: float = 180) -> tuple[int, str, str]:

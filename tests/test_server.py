@@ -9,8 +9,6 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,26 +17,10 @@ import server_metrics
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind
-from pagedllm.serving.launcher import make_server
 from pagedllm.serving.tritonserver import TritonServer
 
 PROMPT = "Once upon a time"
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def server(
-    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TritonServer]:
-    with make_server(
-        str(checkpoints["llama"]), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")
-    ) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, Path]) -> LLM:
-    return LLM(str(checkpoints["llama"]), dtype="float32")
 
 
 def offline_text(llm: LLM, prompt: str = PROMPT, stream: bool = False, **params: Any) -> str:
