@@ -256,14 +256,27 @@ class _Builder:
         raise NotImplementedError
 
     def usage_chunk(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The last streamed chunk when stream_options.include_usage is set."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(self.samples)}
 
     def with_usage(self, data: dict[str, Any]) -> dict[str, Any]:
         # OpenAI sends "usage": null on every chunk when include_usage is set
         return {**data, "usage": None} if self.body.include_usage else data
 
+    # the "object" of a streamed chunk
+    chunk_object = ""
+
+    def _chunk(
+        self, index: int, content: dict[str, Any], logprobs: Any = None, finish: str | None = None
+    ) -> dict[str, Any]:
+        """A streamed chunk with one choice: `content` is its text or delta."""
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish}
+        return self.with_usage({**self._head(self.chunk_object), "choices": [choice]})
+
 
 class _CompletionBuilder(_Builder):
+    chunk_object = "text_completion"
+
     def __init__(
         self,
         gateway: Gateway,
@@ -291,22 +304,7 @@ class _CompletionBuilder(_Builder):
     def start(self) -> list[dict[str, Any]]:
         if self.echo is None:
             return []
-        return [
-            self.with_usage(
-                {
-                    **self._head("text_completion"),
-                    "choices": [
-                        {
-                            "index": s.index,
-                            "text": self.echo[s.prompt_index],
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-            for s in self.samples
-        ]
+        return [self._chunk(s.index, {"text": self.echo[s.prompt_index]}) for s in self.samples]
 
     def chunk(self, sample: Sample, chunk: Chunk) -> dict[str, Any] | None:
         if not (chunk.text or chunk.finish_reason or (self.logprobs and chunk.token_ids)):
@@ -314,13 +312,8 @@ class _CompletionBuilder(_Builder):
         logprobs = None
         if self.logprobs:
             logprobs = self._logprobs(sample, chunk.token_ids, chunk.log_probs)
-        choice = {
-            "index": sample.index,
-            "text": chunk.text,
-            "logprobs": logprobs,
-            "finish_reason": chunk.finish_reason or None,
-        }
-        return self.with_usage({**self._head("text_completion"), "choices": [choice]})
+        content = {"text": chunk.text}
+        return self._chunk(sample.index, content, logprobs, chunk.finish_reason or None)
 
     def final(self) -> dict[str, Any]:
         choices = []
@@ -339,11 +332,10 @@ class _CompletionBuilder(_Builder):
             )
         return {**self._head("text_completion"), "choices": choices, "usage": usage(self.samples)}
 
-    def usage_chunk(self) -> dict[str, Any]:
-        return {**self._head("text_completion"), "choices": [], "usage": usage(self.samples)}
-
 
 class _ChatBuilder(_Builder):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(
         self, gateway: Gateway, body: ChatCompletionRequest, samples: list[Sample]
     ) -> None:
@@ -360,33 +352,15 @@ class _ChatBuilder(_Builder):
         return {"content": content}
 
     def start(self) -> list[dict[str, Any]]:
-        return [
-            self.with_usage(
-                {
-                    **self._head("chat.completion.chunk"),
-                    "choices": [
-                        {
-                            "index": s.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-            for s in self.samples
-        ]
+        first = {"delta": {"role": "assistant", "content": ""}}
+        return [self._chunk(s.index, first) for s in self.samples]
 
     def chunk(self, sample: Sample, chunk: Chunk) -> dict[str, Any] | None:
         if not (chunk.text or chunk.finish_reason or (self.logprobs and chunk.token_ids)):
             return None
-        choice = {
-            "index": sample.index,
-            "delta": {"content": chunk.text} if chunk.text else {},
-            "logprobs": self._logprobs(chunk.token_ids, chunk.log_probs) if self.logprobs else None,
-            "finish_reason": chunk.finish_reason or None,
-        }
-        return self.with_usage({**self._head("chat.completion.chunk"), "choices": [choice]})
+        delta = {"delta": {"content": chunk.text} if chunk.text else {}}
+        logprobs = self._logprobs(chunk.token_ids, chunk.log_probs) if self.logprobs else None
+        return self._chunk(sample.index, delta, logprobs, chunk.finish_reason or None)
 
     def final(self) -> dict[str, Any]:
         choices = [
@@ -399,9 +373,6 @@ class _ChatBuilder(_Builder):
             for s in self.samples
         ]
         return {**self._head("chat.completion"), "choices": choices, "usage": usage(self.samples)}
-
-    def usage_chunk(self) -> dict[str, Any]:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(self.samples)}
 
 
 # --- streams of several samples ------------------------------------------------------------
