@@ -155,10 +155,15 @@ def test_kernel_rejects_bad_inputs() -> None:
 
 
 def make_step(
-    requests: list[tuple[int, int]], block_size: int, window: int | None, seed: int = 0
+    requests: list[tuple[int, int]],
+    block_size: int,
+    window: int | None = None,
+    num_decodes: int | None = None,
+    seed: int = 0,
 ) -> tuple[StepInputs, int]:
-    """A step over `requests` = [(cached prefix, new tokens)], decodes first, as the model
-    runner builds it; and the pool size."""
+    """A step over `requests` = [(cached prefix, new tokens)] with shuffled, non-contiguous
+    block tables, as the model runner builds it (decodes first: by default the requests
+    before the first one with several new tokens); and the pool size."""
     gen = torch.Generator().manual_seed(seed)
     lens = [p + n for p, n in requests]
     tables, num_blocks = random_tables(lens, block_size, gen)
@@ -168,6 +173,8 @@ def make_step(
     starts = [0]
     for _, n in requests:
         starts.append(starts[-1] + n)
+    if num_decodes is None:
+        num_decodes = next((r for r, (_, n) in enumerate(requests) if n > 1), len(requests))
     step = StepInputs(
         input_ids=torch.zeros(len(positions), dtype=torch.int64),
         positions=positions,
@@ -175,7 +182,7 @@ def make_step(
         query_start_loc=starts,
         context_lens=lens,
         block_tables=tables,
-        num_decodes=sum(n == 1 for _, n in requests),
+        num_decodes=num_decodes,
         logits_indices=torch.tensor(starts[1:]) - 1,
         block_size=block_size,
         sliding_window=window,

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from test_cpu_attention import make_step
 
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
@@ -43,48 +44,6 @@ def small_tiles(tk: ModuleType, **overrides: int) -> object:
     """Tiles of 16 so that the small test shapes cross several tiles."""
     knobs = dict(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
     return tk.KernelConfig(**{**knobs, **overrides})
-
-
-def make_step(
-    requests: list[tuple[int, int]],
-    block_size: int,
-    window: int | None = None,
-    num_decodes: int | None = None,
-    seed: int = 0,
-) -> tuple[StepInputs, int]:
-    """A step over `requests` = [(cached prefix, new tokens)] with shuffled, non-contiguous
-    block tables (as the model runner builds it: decodes first); and the pool size."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = [p + n for p, n in requests]
-    counts = [-(-n // block_size) for n in lens]
-    num_blocks = sum(counts) + 5
-    ids = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(counts), dtype=torch.int64)
-    used = 0
-    for r, c in enumerate(counts):
-        tables[r, :c] = ids[used : used + c]
-        used += c
-    positions = torch.cat([torch.arange(p, p + n) for p, n in requests])
-    owner = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(requests)])
-    slots = tables[owner, positions // block_size] * block_size + positions % block_size
-    starts = [0]
-    for _, n in requests:
-        starts.append(starts[-1] + n)
-    if num_decodes is None:
-        num_decodes = next((r for r, (_, n) in enumerate(requests) if n > 1), len(requests))
-    step = StepInputs(
-        input_ids=torch.zeros(len(positions), dtype=torch.int64),
-        positions=positions,
-        slot_mapping=slots,
-        query_start_loc=starts,
-        context_lens=lens,
-        block_tables=tables,
-        num_decodes=num_decodes,
-        logits_indices=torch.tensor(starts[1:]) - 1,
-        block_size=block_size,
-        sliding_window=window,
-    )
-    return step, num_blocks
 
 
 def to_head_major(ref_cache: torch.Tensor) -> torch.Tensor:
