@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import random
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -113,17 +114,16 @@ def hf_throughput(model: str, dtype: str, n: int) -> dict[str, Any]:
     }
 
 
-def _time(fn: Callable[[], object], iters: int) -> float:
-    fn()
+def _once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters
+    fn()
+    return time.perf_counter() - start
 
 
 def decode_vs_linear_chain(model: str, dtype: str, batch: int, ctx: int, iters: int) -> dict:
-    """Mean decode step (engine.step, all `batch` requests decoding at context ~`ctx`) vs the
-    same model's linear layers alone on a (batch, hidden) input."""
+    """Median decode step (engine.step, all `batch` requests decoding at context ~`ctx`) vs the
+    median time of the same model's linear layers alone on a (batch, hidden) input, the two
+    measured alternately."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(
@@ -146,8 +146,6 @@ def decode_vs_linear_chain(model: str, dtype: str, batch: int, ctx: int, iters: 
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.requests.values()):
         eng.step()  # prefill everything
     eng.step()
-    step = _time(eng.step, iters)
-    assert eng.scheduler.num_running == batch
 
     m = eng.runner.model
     linears = [
@@ -172,7 +170,15 @@ def decode_vs_linear_chain(model: str, dtype: str, batch: int, ctx: int, iters: 
             lin(x[lin.in_features])
         m.lm_head(x[cfg.hidden_size])
 
-    ceiling = _time(chain, iters)
+    # alternated, one of each at a time, so that the machine's speed drifting (it does, by
+    # +-15 % over seconds) affects both alike; medians of `iters` samples each
+    chain()
+    steps, chains = [], []
+    for _ in range(iters):
+        steps.append(_once(eng.step))
+        chains.append(_once(chain))
+    assert eng.scheduler.num_running == batch
+    step, ceiling = statistics.median(steps), statistics.median(chains)
     return {
         "batch": batch,
         "context_tokens": ctx,

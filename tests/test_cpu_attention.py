@@ -154,6 +154,28 @@ def test_kernel_rejects_bad_inputs() -> None:
     assert not cpu_kernels.supports(torch.zeros(1, 4, 72), torch.zeros(4, 8, 2, 2, 72))
 
 
+@pytest.mark.parametrize("dtype", list(ATOL))
+def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
+    """The keys and values of a qkv slice (token rows `heads + 2 kv_heads` apart) land in their
+    slots exactly as index_copy_ puts them; every other slot is untouched."""
+    n, heads, kv_heads, head_dim = 7, 6, 2, 64
+    qkv = torch.randn(n, heads + 2 * kv_heads, head_dim).to(dtype)
+    kv = qkv[:, heads:].view(n, 2, kv_heads, head_dim)
+    slots = torch.randperm(5 * 8)[:n]
+    cache = torch.randn(5, 8, 2, kv_heads, head_dim).to(dtype)
+    expected = cache.clone()
+    expected.view(-1, 2, kv_heads, head_dim).index_copy_(0, slots, kv)
+    cpu_kernels.write_kv(kv, cache, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.write_kv(kv, cache, torch.full((n,), 40))
+    # a layout it does not handle (keys and values not side by side): PyTorch's copy
+    kv_t = kv.transpose(2, 3).contiguous().transpose(2, 3)
+    cpu_kernels.write_kv(kv_t, cache, slots.flip(0))
+    expected.view(-1, 2, kv_heads, head_dim).index_copy_(0, slots.flip(0), kv)
+    assert torch.equal(cache, expected)
+
+
 def make_step(
     requests: list[tuple[int, int]],
     block_size: int,

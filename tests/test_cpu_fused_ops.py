@@ -209,3 +209,43 @@ def test_kernel_disabled_by_env(checkpoints: dict[str, Path]) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "{'module': None} 4"
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "head_dim"), [(1, 64), (33, 128), (4, 8)])
+def test_rotary_embedding_matches_transformers(
+    n: int, head_dim: int, dtype: torch.dtype, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In place on the q and k heads of a qkv slice (strided rows), v untouched, equal to
+    transformers' apply_rotary_pos_emb (half-split layout, run in fp32 and rounded once) after
+    the loader's interleaving permutation; with the kernel and with its PyTorch fallback."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from pagedllm.model.rope import interleave_rows, rotary_table
+
+    if not kernel:
+        monkeypatch.setitem(cpu_kernels._state, "module", None)
+    heads, kv_heads = 6, 2
+    gen = torch.Generator().manual_seed(n)
+    half_split = (torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    half_split = half_split.float()  # the values representable in dtype
+    angles = torch.rand(n, head_dim // 2, generator=gen) * 1000
+    cos, sin = angles.cos(), angles.sin()
+
+    def interleave(x: torch.Tensor) -> torch.Tensor:  # (n, h, hd), each head as the loader does
+        h = x.shape[1]
+        rows = interleave_rows(x.permute(1, 2, 0).reshape(h * head_dim, n), h, head_dim)
+        return rows.view(h, head_dim, n).permute(2, 0, 1)
+
+    qkv = interleave(half_split).contiguous().to(dtype)
+    v_before = qkv[:, heads + kv_heads :].clone()
+    cpu_kernels.rotary_embedding(qkv[:, : heads + kv_heads], rotary_table(cos, sin)[:, None])
+
+    q, k = half_split[:, :heads, None], half_split[:, heads : heads + kv_heads, None]
+    full = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, *full)
+    expected = interleave(torch.cat([hf_q[:, :, 0], hf_k[:, :, 0]], 1)).to(dtype)
+    close(qkv[:, : heads + kv_heads], expected)
+    assert torch.equal(qkv[:, heads + kv_heads :], v_before)

@@ -146,10 +146,7 @@ def _attention(
     n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
     qkv = F.linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
-    qk = qkv[:, : h + kvh]
-    # NOTE: rotation in fp32 complex arithmetic (16-bit dtypes have no complex type)
-    rotated = torch.view_as_complex(qk.float().view(n, h + kvh, hd // 2, 2)) * ctx.rotary
-    qk.copy_(torch.view_as_real(rotated).view(n, h + kvh, hd))
+    cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary)  # q and k, in place, in fp32
     kv = qkv[:, h:].view(n, 2, kvh, hd)
     o = ctx.backend.forward(qkv[:, :h], kv, kv_cache, ctx.attn_metadata, hd**-0.5)
     return F.linear(o.reshape(n, h * hd), w.o_w, w.o_b)

@@ -63,7 +63,7 @@ class CpuAttentionBackend:
         if d == 0 or not (self.kernel_available and cpu_kernels.supports(q, kv_cache)):
             return self._ref.forward(q, kv, kv_cache, m.ref, scale)
         if d == q.shape[0]:
-            kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, m.ref.slot_mapping, kv)
+            cpu_kernels.write_kv(kv, kv_cache, m.ref.slot_mapping)
             return self._decode(q, kv_cache, m, scale)
         # writes every new key/value (the decodes' too) before attending the prefill chunks
         prefill_out = self._ref.forward(q, kv, kv_cache, m.prefill_ref, scale)

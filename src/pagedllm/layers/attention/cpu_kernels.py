@@ -4,13 +4,15 @@ The kernel reads each request's keys/values straight from the paged cache (no ga
 padded tensor). Tasks are (request, KV head) pairs spread over the threads by
 `at::parallel_for`; a thread attends its consecutive tasks of one request in a single pass over
 the keys (each cache slot read as one contiguous run), and each key is loaded once for the
-`group` query heads of its KV head. Online softmax in fp32 over tiles of 32 keys; fp32, bf16
-and fp16 caches, accumulation in fp32, head_dim a multiple of 16 up to 256.
+`group` query heads of its KV head (and each value once for up to 4 of them). Online softmax
+in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32, head_dim a
+multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their slots (one
+copy per token).
 
 The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
-`fused_add_rms_norm`, `silu_and_mul`): one pass per row in fp32, rounded once to the dtype,
-rows spread over threads only above ~16k elements (a decode of one row stays on the caller's
-thread). Their wrappers fall back to plain PyTorch for what the kernels do not handle
+`fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding` in place on q and k): one pass per
+row in fp32, rounded once to the dtype, rows spread over threads only above ~16k elements (a
+decode of one row stays on the caller's thread). Their wrappers fall back to plain PyTorch for what the kernels do not handle
 (no extension, another device or dtype, a layout that cannot be written in place).
 
 Built with `-O3 -march=native`, so the extension's name carries a hash of the source, the
@@ -261,19 +263,44 @@ inline void softmax_update(int64_t rows, int64_t n, Scratch& s) {
   }
 }
 
-// One query head at a time, so that its accumulator stays in registers.
+// Rows [r0, r0 + R) of one KV head (values at `v_offset` in each slot), their accumulators
+// in registers: each value vector is loaded (and converted) once for the R rows.
+template <typename scalar_t, int64_t NV, int64_t R>
+void accumulate_rows(const scalar_t* const* slots, int64_t n, int64_t nv, int64_t v_offset,
+                     int64_t r0, Scratch& s) {
+  constexpr int64_t kVecs = NV > 0 ? NV : kMaxVecs;
+  fvec acc[R][kVecs];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < nv; ++c) acc[r][c] = s.acc[(r0 + r) * nv + c] * s.alpha[r0 + r];
+  for (int64_t i = 0; i < n; ++i) {
+    fvec value[kVecs];
+    for (int64_t c = 0; c < nv; ++c) value[c] = load(slots[i] + v_offset + c * kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const float prob = s.scores[(r0 + r) * kTile + i];
+      for (int64_t c = 0; c < nv; ++c) acc[r][c] += prob * value[c];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < nv; ++c) s.acc[(r0 + r) * nv + c] = acc[r][c];
+}
+
+// The rows of each KV head in runs of up to 4 (head_dim 64) or 2 (128), so that their
+// accumulators stay in registers; one row at a time for other head dims.
 template <typename scalar_t, int64_t NV>
 void accumulate_values(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* slots,
                        int64_t n, int64_t nv, Scratch& s) {
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const int64_t v_offset = (a.kv_heads + p.h0 + r / a.group) * nv * kLanes;
-    fvec acc[NV > 0 ? NV : kMaxVecs];
-    for (int64_t c = 0; c < nv; ++c) acc[c] = s.acc[r * nv + c] * s.alpha[r];
-    for (int64_t i = 0; i < n; ++i) {
-      const float prob = s.scores[r * kTile + i];
-      for (int64_t c = 0; c < nv; ++c) acc[c] += prob * load(slots[i] + v_offset + c * kLanes);
+  constexpr int64_t kRun = NV == 4 ? 4 : NV == 8 ? 2 : 1;
+  for (int64_t h = p.h0; h < p.h1; ++h) {
+    const int64_t v_offset = (a.kv_heads + h) * nv * kLanes;
+    const int64_t last = (h - p.h0 + 1) * a.group;
+    for (int64_t r0 = (h - p.h0) * a.group; r0 < last;) {
+      const int64_t rows = std::min(kRun, last - r0);
+      if (rows >= 4) accumulate_rows<scalar_t, NV, kRun>(slots, n, nv, v_offset, r0, s);
+      else if (rows == 3) accumulate_rows<scalar_t, NV, 3>(slots, n, nv, v_offset, r0, s);
+      else if (rows == 2) accumulate_rows<scalar_t, NV, 2>(slots, n, nv, v_offset, r0, s);
+      else accumulate_rows<scalar_t, NV, 1>(slots, n, nv, v_offset, r0, s);
+      r0 += rows;
     }
-    for (int64_t c = 0; c < nv; ++c) s.acc[r * nv + c] = acc[c];
   }
 }
 
@@ -497,6 +524,18 @@ void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64
   }
 }
 
+// Rotates the interleaved pairs (x[2i], x[2i+1]) of one head by (cos, sin)[i], in fp32:
+// (x0 c - x1 s, x0 s + x1 c), the complex multiply (x0 + i x1)(c + i s).
+template <typename scalar_t>
+void rotate_row(scalar_t* x, const float* cos_sin, int64_t n) {
+  for (int64_t i = 0; i < n; i += 2) {
+    const float x0 = to_float(x[i]), x1 = to_float(x[i + 1]);
+    const float c = cos_sin[i], s = cos_sin[i + 1];
+    x[i] = static_cast<scalar_t>(x0 * c - x1 * s);
+    x[i + 1] = static_cast<scalar_t>(x0 * s + x1 * c);
+  }
+}
+
 // Whether the kernels handle t: a CPU tensor of one of their dtypes.
 bool supported(const torch::Tensor& t) {
   const auto dtype = t.scalar_type();
@@ -612,6 +651,57 @@ std::optional<torch::Tensor> silu_and_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// Rotary embedding in place: the first `heads` heads of each token of qkv (N, >= heads,
+// head_dim), rows contiguous, by that token's cos_sin (N, head_dim / 2, 2) fp32 contiguous.
+// False (untouched) for what it does not handle.
+bool rotary_embedding(torch::Tensor qkv, torch::Tensor cos_sin, int64_t heads) {
+  if (!supported(qkv) || qkv.dim() != 3 || !cos_sin.device().is_cpu()) return false;
+  const int64_t n = qkv.size(0), head_dim = qkv.size(2);
+  if (head_dim % 2 != 0 || qkv.stride(2) != 1 || qkv.stride(1) != head_dim ||
+      heads < 0 || heads > qkv.size(1) || cos_sin.scalar_type() != torch::kFloat ||
+      !cos_sin.is_contiguous() || cos_sin.numel() != n * head_dim)
+    return false;
+  const float* cs = cos_sin.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  dispatch_float_dtype(qkv, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* x = qkv.data_ptr<scalar_t>();
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, n, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h)
+          rotate_row(x + t * stride + h * head_dim, cs + t * head_dim, head_dim);
+    });
+  });
+  return true;
+}
+
+// Stores each token's new keys and values, kv (N, 2, kv_heads, head_dim) with each token's
+// 2 * kv_heads * head_dim values contiguous, into its slot of the cache (num_blocks,
+// block_size, 2, kv_heads, head_dim). False (nothing written) for what it does not handle.
+bool write_kv(torch::Tensor kv, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+  if (!supported(kv) || kv.dim() != 4 || kv_cache.dim() != 5 || !kv_cache.device().is_cpu() ||
+      kv_cache.scalar_type() != kv.scalar_type() || !kv_cache.is_contiguous() ||
+      !slot_mapping.device().is_cpu() || slot_mapping.scalar_type() != torch::kInt64 ||
+      slot_mapping.dim() != 1 || slot_mapping.size(0) != kv.size(0) ||
+      !slot_mapping.is_contiguous())
+    return false;
+  const int64_t n = kv.size(0), row = kv_cache.stride(1);  // one slot's values
+  if (kv.numel() != n * row || kv.stride(3) != 1 || kv.stride(2) != kv.size(3) ||
+      kv.stride(1) != kv.size(2) * kv.size(3) || kv.size(1) * kv.stride(1) != row)
+    return false;
+  const int64_t num_slots = kv_cache.size(0) * kv_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot ", slots[t],
+                " out of range");
+  const auto* src = static_cast<const char*>(kv.data_ptr());
+  auto* dst = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t bytes = row * kv.element_size(), src_stride = kv.stride(0) * kv.element_size();
+  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + slots[t] * bytes, src + t * src_stride, bytes);
+  return true;
+}
 """
 
 _lock = threading.Lock()
@@ -639,7 +729,14 @@ def _build() -> Any:
     return load_inline(
         name=extension_name(),
         cpp_sources=[_CPP_SOURCE],
-        functions=["paged_decode_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul"],
+        functions=[
+            "paged_decode_attention",
+            "rms_norm",
+            "fused_add_rms_norm",
+            "silu_and_mul",
+            "rotary_embedding",
+            "write_kv",
+        ],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),  # copies: load_inline appends to them
         verbose=False,
@@ -752,3 +849,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         out = F.silu(gate) * up
     return out
+
+
+def rotary_embedding(qk: torch.Tensor, rotary: torch.Tensor) -> None:
+    """Rotates `qk` (N, heads, head_dim) in place: each head's interleaved pairs
+    (x[2i], x[2i+1]) as complex numbers times `rotary` (N, 1, head_dim / 2) complex64, in fp32,
+    rounded once to qk's dtype."""
+    module = _module()
+    n, heads, head_dim = qk.shape
+    if module is not None and module.rotary_embedding(qk, torch.view_as_real(rotary), heads):
+        return
+    rotated = torch.view_as_complex(qk.float().view(n, heads, head_dim // 2, 2)) * rotary
+    qk.copy_(torch.view_as_real(rotated).view(n, heads, head_dim))
+
+
+def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`kv_cache` (num_blocks, block_size, 2, kv_heads, head_dim) gets each token's keys and
+    values `kv` (N, 2, kv_heads, head_dim) in its slot (block * block_size + offset)."""
+    module = _module()
+    if module is None or not module.write_kv(kv, kv_cache, slot_mapping):
+        kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, slot_mapping, kv)
