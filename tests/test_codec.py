@@ -4,6 +4,7 @@ with a batch dimension; BYTES as object arrays of bytes)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -136,3 +137,23 @@ def test_instance_device_follows_the_instance_kind() -> None:
     assert instance_device({"device": "cpu"}, "GPU", 1) == "cpu"
     with pytest.raises(ValueError, match="device must be"):
         instance_device({"device": "tpu"})
+
+
+def test_cancel_polls_ask_each_request_at_most_once_per_interval() -> None:
+    from pagedllm.serving.engine_model import CancelPolls
+
+    polls = CancelPolls(interval=0.2, max_entries=3)
+    assert polls.due("a", final=False)  # a request's first response is always asked
+    assert not polls.due("a", final=False)  # then not again within the interval
+    assert polls.due("b", final=False)  # per request
+    time.sleep(0.25)
+    assert polls.due("a", final=False)
+    assert not polls.due("a", final=False)
+    assert not polls.due("b", final=True)  # never on a final response, which forgets it
+    assert polls.due("b", final=False)
+    polls.forget("b")
+    assert polls.due("b", final=False)
+    for key in "cdef":  # bounded: the oldest entries go first
+        polls.due(key, final=False)
+    assert polls.due("a", final=False)  # dropped, so asked again at once
+    assert not polls.due("f", final=False)

@@ -98,10 +98,18 @@ class GrpcStream:
     """One streaming request through tritonclient; responses are collected with arrival
     times. `cancel()` cancels it the way a client does (stop_stream(cancel_requests=True))."""
 
-    def __init__(self, server: TritonServer, values: dict[str, Any], send: bool = True) -> None:
+    def __init__(
+        self,
+        server: TritonServer,
+        values: dict[str, Any],
+        send: bool = True,
+        model: str = "ensemble",
+    ) -> None:
         import tritonclient.grpc as grpcclient
 
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.model = model
+        self.received = 0  # responses of any model, with or without these outputs
         self.responses: list[tuple[float, dict[str, Any]]] = []
         self.error: Any = None
         self.done = threading.Event()
@@ -111,13 +119,14 @@ class GrpcStream:
             self.send()
 
     def send(self) -> None:
-        self.client.async_stream_infer("ensemble", self.inputs, enable_empty_final_response=True)
+        self.client.async_stream_infer(self.model, self.inputs, enable_empty_final_response=True)
 
     def _on_response(self, result: Any, error: Any) -> None:
         if error is not None:
             self.error = error
             self.done.set()
             return
+        self.received += 1
         out: dict[str, Any] = {}
         for name in ("text_output", "finish_reason", "index", "num_output_tokens"):
             value = result.as_numpy(name)
@@ -323,6 +332,26 @@ def test_cancelling_a_stream_frees_its_blocks_within_a_second(
         f"{server.http_url}/v2/models/ensemble/generate", body(exclude_input_in_output=True)
     )
     assert status == 200 and json.loads(text)["text_output"] == offline
+
+
+def test_cancelling_a_direct_llm_engine_stream_frees_its_blocks_within_a_second(
+    server: TritonServer,
+) -> None:
+    """A client of the decoupled llm_engine itself (no ensemble): its cancel is seen through
+    the response sender, asked at most every 0.2 s per request."""
+    aborted = metrics(server).get("vllm:request_success_total{finished_reason=abort}", 0)
+    stream = GrpcStream(
+        server,
+        {"text_input": PROMPT, "max_tokens": 480, "temperature": 0.0, "ignore_eos": True},
+        model="llm_engine",
+    )
+    while stream.received < 20:
+        time.sleep(0.005)
+    stream.cancel()
+    assert wait_idle(server, timeout=1.0) < 1.0
+    m = metrics(server)
+    assert m.get("vllm:request_success_total{finished_reason=abort}") == aborted + 1, m
+    assert stream.received < 480
 
 
 BAD_REQUESTS = [

@@ -31,10 +31,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             get = adapter.getter(pb_utils, request)
-            if request.is_cancelled():
+            request_id = self.model.cancel_check(get)  # None: not asked this time
+            if request_id is not None and request.is_cancelled():
                 # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5);
                 # the response still goes out, so the ensemble request completes
-                self._abort(self.model.request_id(get))
+                self._abort(request_id)
             responses.append(adapter.response(pb_utils, self.model.handle(get)))
         return responses
 

@@ -32,6 +32,8 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -62,6 +64,37 @@ META = (
 Send = Callable[[Tensors, bool], None]
 Fail = Callable[[str], None]
 IsCancelled = Callable[[], bool]
+
+
+class CancelPolls:
+    """When to ask Triton whether a request was cancelled. Each `is_cancelled()` is a round
+    trip from the stub to the server, costlier than sending a response, so a request is asked
+    at most once per `interval` seconds (its first non-final response always), never on its
+    final response; a cancel is seen within `interval` plus one response."""
+
+    def __init__(self, interval: float = 0.2, max_entries: int = 65536) -> None:
+        self.interval = interval
+        self.max_entries = max_entries
+        self._asked: OrderedDict[str, float] = OrderedDict()  # oldest ask first
+        self._lock = threading.Lock()
+
+    def due(self, key: str, final: bool) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._asked.pop(key, None)
+            if final:
+                return False
+            if last is not None and now - last < self.interval:
+                self._asked[key] = last
+                return False
+            self._asked[key] = now
+            while len(self._asked) > self.max_entries:  # requests whose final we never saw
+                self._asked.popitem(last=False)
+            return True
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._asked.pop(key, None)
 
 
 def setting(parameters: dict[str, str], name: str, default: str = "") -> str:
@@ -193,6 +226,7 @@ class EngineModel:
         self._sender = threading.Thread(target=self._send_loop, name="pagedllm-send", daemon=True)
         self._sender.start()
         self._ids = itertools.count()
+        self._cancel_polls = CancelPolls()
 
     def handle(self, get: Getter, send: Send, fail: Fail, is_cancelled: IsCancelled) -> None:
         """Start one request; responses arrive through `send` from the engine thread."""
@@ -219,7 +253,8 @@ class EngineModel:
         def respond(out: RequestOutput) -> None:
             # direct clients of this model: a cancelled stream is seen here (never ask a
             # sender after its final response: the server does not survive it)
-            if not out.finished and is_cancelled():
+            if self._cancel_polls.due(stream.request_id, out.finished) and is_cancelled():
+                self._cancel_polls.forget(stream.request_id)
                 self.service.abort(stream.request_id)
                 return
             send(stream.tensors(out), out.finished)
@@ -228,6 +263,7 @@ class EngineModel:
             self._outbox.put(lambda: respond(out))
 
         def on_error(e: Exception) -> None:
+            self._cancel_polls.forget(stream.request_id)
             self._outbox.put(lambda: fail(str(e)))
 
         prompt = req.prompt if req.prompt_token_ids is None else req.prompt_token_ids

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.serving.codec import Getter, RequestError
-from pagedllm.serving.engine_model import META, Tensors
+from pagedllm.serving.engine_model import META, CancelPolls, Tensors
 from pagedllm.text.detokenizer import window_text
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -52,6 +52,7 @@ class TokenizerModel:
 class DetokenizerModel:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._cancel_polls = CancelPolls()
 
     def handle(self, get: Getter) -> Tensors:
         meta = dict(zip(META, (int(v) for v in _required(get, "meta").reshape(-1)), strict=True))
@@ -84,5 +85,9 @@ class DetokenizerModel:
         """`text`, `finish_reason`, `request_id`."""
         return [s.decode("utf-8") for s in _required(get, "strings").reshape(-1)]
 
-    def request_id(self, get: Getter) -> str:
-        return self._strings(get)[2]
+    def cancel_check(self, get: Getter) -> str | None:
+        """The engine's request id if it is time to ask whether this response's ensemble
+        request was cancelled (`CancelPolls`), else None."""
+        request_id = self._strings(get)[2]
+        final = bool(_required(get, "meta").reshape(-1)[META.index("final")])
+        return request_id if self._cancel_polls.due(request_id, final) else None
