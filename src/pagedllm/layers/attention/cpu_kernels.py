@@ -186,23 +186,31 @@ inline float hsum(fvec v) {
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
-// exp(x) for x <= 0 (Cephes polynomial, rel. error ~1e-7): plain arithmetic, so the loop
-// calling it vectorizes. Inputs below -87 flush to ~1e-38.
-inline float exp_nonpositive(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  x = x < -87.f ? -87.f : x;
-  const float shifted = x * 1.44269504088896341f + kRound;
-  const float n = shifted - kRound;
-  const int32_t ni = bit_cast<int32_t>(shifted) - bit_cast<int32_t>(kRound);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+typedef int32_t i32vec __attribute__((vector_size(64)));
+
+// exp(x) on 16 lanes (Cephes polynomial, rel. error ~1e-7), x clamped to [-87, 88].
+inline fvec exp_vec(fvec x) {
+  const fvec kRound = fvec{} + 12582912.f;
+  x = x < -87.f ? fvec{} - 87.f : x;
+  x = x > 88.f ? fvec{} + 88.f : x;
+  const fvec shifted = x * 1.44269504088896341f + kRound;
+  const fvec n = shifted - kRound;
+  const i32vec ni = bit_cast<i32vec>(shifted) - bit_cast<i32vec>(kRound);
+  const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = fvec{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  return p * bit_cast<float>((ni + 127) << 23);
+  return p * bit_cast<fvec>((ni + 127) << 23);
+}
+
+inline float hmax(fvec v) {
+  float m = v[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
+  return m;
 }
 
 template <typename scalar_t>
@@ -248,17 +256,28 @@ void score_tile(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* s
 }
 
 // Scores -> probabilities under the running max; alpha rescales what was accumulated.
+// 16 scores at a time: the tile's unused tail is -inf, then probability 0.
 inline void softmax_update(int64_t rows, int64_t n, Scratch& s) {
+  const int64_t vecs = (n + kLanes - 1) / kLanes;
+  const i32vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r = 0; r < rows; ++r) {
     float* sc = s.scores + r * kTile;
-    float tile_max = sc[0];
-    for (int64_t i = 1; i < n; ++i) tile_max = sc[i] > tile_max ? sc[i] : tile_max;
-    const float new_max = std::max(s.max[r], tile_max);
-    for (int64_t i = 0; i < n; ++i) sc[i] = exp_nonpositive(sc[i] - new_max);
-    float tile_sum = 0.f;  // a separate loop, so that the exp loop vectorizes
-    for (int64_t i = 0; i < n; ++i) tile_sum += sc[i];
+    for (int64_t i = n; i < vecs * kLanes; ++i) sc[i] = -std::numeric_limits<float>::infinity();
+    fvec top = load(sc);
+    for (int64_t v = 1; v < vecs; ++v) {
+      const fvec x = load(sc + v * kLanes);
+      top = x > top ? x : top;
+    }
+    const float new_max = std::max(s.max[r], hmax(top));
+    fvec sum{};
+    for (int64_t v = 0; v < vecs; ++v) {
+      const fvec e = exp_vec(load(sc + v * kLanes) - new_max);
+      const fvec p = lane + static_cast<int32_t>(v * kLanes) < static_cast<int32_t>(n) ? e : fvec{};
+      store(sc + v * kLanes, p);
+      sum += p;
+    }
     s.alpha[r] = std::exp(s.max[r] - new_max);  // 0 on the first tile
-    s.sum[r] = s.sum[r] * s.alpha[r] + tile_sum;
+    s.sum[r] = s.sum[r] * s.alpha[r] + hsum(sum);
     s.max[r] = new_max;
   }
 }
@@ -444,32 +463,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
 
 namespace {
 
-typedef int32_t i32vec __attribute__((vector_size(64)));
 
 // A call smaller than this many elements (per thread) runs on the calling thread alone.
 constexpr int64_t kElementwiseGrain = 16384;
 
 int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(cols, 1));
-}
-
-// exp(x) on 16 lanes (the Cephes polynomial of exp_nonpositive), x clamped to [-87, 88].
-inline fvec exp_vec(fvec x) {
-  const fvec kRound = fvec{} + 12582912.f;
-  x = x < -87.f ? fvec{} - 87.f : x;
-  x = x > 88.f ? fvec{} + 88.f : x;
-  const fvec shifted = x * 1.44269504088896341f + kRound;
-  const fvec n = shifted - kRound;
-  const i32vec ni = bit_cast<i32vec>(shifted) - bit_cast<i32vec>(kRound);
-  const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  fvec p = fvec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * bit_cast<fvec>((ni + 127) << 23);
 }
 
 template <typename scalar_t>
