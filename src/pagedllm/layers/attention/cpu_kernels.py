@@ -241,8 +241,13 @@ void locate_keys(const Args<scalar_t>& a, int64_t b, int64_t t0, int64_t n,
 // Each key is loaded (and converted) once for all the query heads of its KV head.
 template <typename scalar_t, int64_t NV>
 void score_tile(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* slots,
-                int64_t n, int64_t nv, Scratch& s) {
+                int64_t n, int64_t nv, Scratch& s, const scalar_t* const* ahead, int64_t n_ahead) {
+  const int64_t slot_bytes = a.slot_stride * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t i = 0; i < n; ++i) {
+    if (i < n_ahead) {
+      const char* next = reinterpret_cast<const char*>(ahead[i]);
+      for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+    }
     for (int64_t h = p.h0; h < p.h1; ++h) {
       fvec key[NV > 0 ? NV : kMaxVecs];
       for (int64_t c = 0; c < nv; ++c) key[c] = load(slots[i] + (h * nv + c) * kLanes);
@@ -334,20 +339,39 @@ void store_output(const Args<scalar_t>& a, const Pass& p, int64_t nv, Scratch& s
   }
 }
 
+// The first key attended in request b's context.
+template <typename scalar_t>
+int64_t first_key(const Args<scalar_t>& a, int64_t b) {
+  return a.window > 0 ? std::max<int64_t>(0, a.context_lens[b] - a.window) : 0;
+}
+
 // NV = head_dim / 16 fixed at compile time (registers, full unrolling), or 0: from the args.
+// The cache is paged, so the hardware cannot guess where the next keys are: while a tile is
+// scored, the next one's slots are prefetched, one slot per key (all at once would fill the
+// line-fill buffers the tile's own loads need); the next tile of the last one is the first
+// of `next`, the thread's next pass (if any).
 template <typename scalar_t, int64_t NV>
-void attend(const Args<scalar_t>& a, const Pass& p, Scratch& s) {
+void attend(const Args<scalar_t>& a, const Pass& p, const Pass* next, Scratch& s) {
   const int64_t nv = NV > 0 ? NV : a.nv;
   load_queries(a, p, nv, s);
   const int64_t ctx = a.context_lens[p.b];
-  const int64_t start = a.window > 0 ? std::max<int64_t>(0, ctx - a.window) : 0;
-  const scalar_t* slots[kTile];
-  for (int64_t t0 = start; t0 < ctx; t0 += kTile) {
+  const int64_t start = first_key(a, p.b);
+  const scalar_t* tiles[2][kTile];  // this tile's slots and the next one's
+  if (start < ctx) locate_keys(a, p.b, start, std::min(kTile, ctx - start), tiles[0]);
+  for (int64_t t0 = start, k = 0; t0 < ctx; t0 += kTile, k ^= 1) {
     const int64_t n = std::min(kTile, ctx - t0);
-    locate_keys(a, p.b, t0, n, slots);
-    score_tile<scalar_t, NV>(a, p, slots, n, nv, s);
+    int64_t n_ahead = 0;
+    if (t0 + kTile < ctx) {
+      n_ahead = std::min(kTile, ctx - t0 - kTile);
+      locate_keys(a, p.b, t0 + kTile, n_ahead, tiles[k ^ 1]);
+    } else if (next != nullptr) {
+      const int64_t next_start = first_key(a, next->b);
+      n_ahead = std::max<int64_t>(0, std::min(kTile, a.context_lens[next->b] - next_start));
+      locate_keys(a, next->b, next_start, n_ahead, tiles[k ^ 1]);
+    }
+    score_tile<scalar_t, NV>(a, p, tiles[k], n, nv, s, tiles[k ^ 1], n_ahead);
     softmax_update(p.rows, n, s);
-    accumulate_values<scalar_t, NV>(a, p, slots, n, nv, s);
+    accumulate_values<scalar_t, NV>(a, p, tiles[k], n, nv, s);
   }
   store_output(a, p, nv, s);
 }
@@ -359,11 +383,16 @@ void run(const Args<scalar_t>& a, int64_t num_reqs) {
   const int64_t max_heads = std::min(kMaxRows, kScratchVecs / a.nv) / a.group;
   at::parallel_for(0, num_reqs * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch s;  // on the thread's stack
-    for (int64_t task = begin; task < end;) {
+    const auto pass_at = [&](int64_t task) {
       const int64_t b = task / a.kv_heads, h0 = task % a.kv_heads;
       const int64_t h1 = std::min({a.kv_heads, h0 + max_heads, end - b * a.kv_heads});
-      attend<scalar_t, NV>(a, Pass{b, h0, h1, (h1 - h0) * a.group}, s);
-      task += h1 - h0;
+      return Pass{b, h0, h1, (h1 - h0) * a.group};
+    };
+    for (int64_t task = begin; task < end;) {
+      const Pass pass = pass_at(task);
+      task += pass.h1 - pass.h0;
+      const Pass next = task < end ? pass_at(task) : pass;
+      attend<scalar_t, NV>(a, pass, task < end ? &next : nullptr, s);
     }
   });
 }
