@@ -4,8 +4,9 @@ The kernel reads each request's keys/values straight from the paged cache (no ga
 padded tensor). Tasks are (request, KV head) pairs spread over the threads by
 `at::parallel_for`; a thread attends its consecutive tasks of one request in a single pass over
 the keys (each cache slot read as one contiguous run), and each key is loaded once for the
-`group` query heads of its KV head (and each value once for up to 4 of them). Online softmax
-in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32, head_dim a
+`group` query heads of its KV head (and each value once for up to 4 of them); the next tile's
+slots are prefetched while a tile is scored (the cache is paged: the hardware prefetcher
+cannot follow it). Online softmax in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32, head_dim a
 multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their slots (one
 copy per token).
 
