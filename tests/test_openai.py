@@ -21,10 +21,10 @@ import httpx
 import openai
 import pytest
 from server_metrics import metrics, wait_idle
+from test_server import offline_text
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.openai.chat import ChatTemplate
-from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.launcher import make_server
 from pagedllm.serving.tritonserver import TritonServer, free_port
 from pagedllm.text.tokenizer import Tokenizer
@@ -114,13 +114,7 @@ def offline(llm: LLM, prompt: str, **params: Any) -> str:
     The gateway streams from Triton even for a non-streamed answer (so that a client that
     disconnects cancels), so its text is the streamed deltas joined: the same as the offline
     API's text for valid UTF-8, while the tiny model's random tokens may cut characters."""
-    params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **params}
-    delta = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
-    llm.engine.add_request("offline", prompt, delta)
-    texts = []
-    while llm.engine.has_unfinished_requests():
-        texts += [o.outputs[0].text for o in llm.engine.step()]
-    return "".join(texts)
+    return offline_text(llm, prompt, stream=True, **{"max_tokens": MAX_TOKENS, **params})
 
 
 def rendered_chat(model_dir: Path, tokenizer: Tokenizer) -> str:

@@ -30,13 +30,12 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            get = adapter.getter(pb_utils, request)
-            request_id = self.model.cancel_check(get)  # None: not asked this time
-            if request_id is not None and request.is_cancelled():
+            tensors, request_id = self.model.handle(adapter.getter(pb_utils, request))
+            if request_id is not None and request.is_cancelled():  # None: not asked this time
                 # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5);
                 # the response still goes out, so the ensemble request completes
                 self._abort(request_id)
-            responses.append(adapter.response(pb_utils, self.model.handle(get)))
+            responses.append(adapter.response(pb_utils, tensors))
         return responses
 
     @staticmethod

@@ -60,6 +60,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def only_chosen_logprob(value: int | None, name: str) -> None:
+    """A 400 for asking `name` > 0 top alternatives: only the chosen token's log-prob exists."""
+    if value is not None and value > 0:
+        raise bad_request(
+            f"{name} must be 0 here: only the chosen token's log-prob is available "
+            f"(no top alternatives), got {value}",
+            name,
+        )
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -142,12 +152,7 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs is not None and self.logprobs > 0:
-            raise bad_request(
-                "logprobs must be 0 here: only the chosen token's log-prob is available "
-                f"(no top alternatives), got {self.logprobs}",
-                "logprobs",
-            )
+        only_chosen_logprob(self.logprobs, "logprobs")
         if self.echo and self.logprobs is not None:
             raise bad_request(
                 "echo with logprobs needs the prompt's log-probs: not supported", "echo"
@@ -203,12 +208,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         super().check()
-        if self.top_logprobs is not None and self.top_logprobs > 0:
-            raise bad_request(
-                "top_logprobs must be 0 here: only the chosen token's log-prob is available "
-                f"(no top alternatives), got {self.top_logprobs}",
-                "top_logprobs",
-            )
+        only_chosen_logprob(self.top_logprobs, "top_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 

@@ -75,7 +75,7 @@ class CancelPolls:
     def __init__(self, interval: float = 0.2, max_entries: int = 65536) -> None:
         self.interval = interval
         self.max_entries = max_entries
-        self._asked: OrderedDict[str, float] = OrderedDict()  # oldest ask first
+        self._asked: OrderedDict[str, float] = OrderedDict()  # least recently seen first
         self._lock = threading.Lock()
 
     def due(self, key: str, final: bool) -> bool:

@@ -54,10 +54,13 @@ class DetokenizerModel:
         self.tokenizer = tokenizer
         self._cancel_polls = CancelPolls()
 
-    def handle(self, get: Getter) -> Tensors:
+    def handle(self, get: Getter) -> tuple[Tensors, str | None]:
+        """The response's tensors, and the engine's request id if it is time to ask whether
+        this response's ensemble request was cancelled (`CancelPolls`), else None."""
         meta = dict(zip(META, (int(v) for v in _required(get, "meta").reshape(-1)), strict=True))
         ids = [int(i) for i in _required(get, "ids").reshape(-1)]
-        text, finish_reason, _ = self._strings(get)
+        text, finish_reason, request_id = self._strings(get)
+        ask = self._cancel_polls.due(request_id, bool(meta["final"]))
         window = meta["window_len"]
         text += window_text(
             self.tokenizer,
@@ -78,16 +81,9 @@ class DetokenizerModel:
                 out[f"{name}_ms"] = np.array([ms], dtype=np.float32)
         for name in PASSTHROUGH:
             out[name] = _required(get, name)
-        return out
+        return out, request_id if ask else None
 
     @staticmethod
     def _strings(get: Getter) -> list[str]:
         """`text`, `finish_reason`, `request_id`."""
         return [s.decode("utf-8") for s in _required(get, "strings").reshape(-1)]
-
-    def cancel_check(self, get: Getter) -> str | None:
-        """The engine's request id if it is time to ask whether this response's ensemble
-        request was cancelled (`CancelPolls`), else None."""
-        request_id = self._strings(get)[2]
-        final = bool(_required(get, "meta").reshape(-1)[META.index("final")])
-        return request_id if self._cancel_polls.due(request_id, final) else None
