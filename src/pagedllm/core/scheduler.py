@@ -268,6 +268,27 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, status)
 
+    def roll_back(self, out: SchedulerOutput) -> list[Request]:
+        """Undo a step that failed to execute (its update never came): every request it
+        scheduled that is still running is recomputed from its prompt and output, as after a
+        preemption (not counted as one), in its order at the front of the queue. The prefix
+        cache is dropped: blocks registered for the step may hold partial or no KV. Returns
+        the requests rolled back."""
+        self.kv.pool.reset_prefix_cache()
+        rolled = [
+            r
+            for s in out.scheduled
+            if (r := self.requests.get(s.request_id)) is not None
+            and r.status == RequestStatus.RUNNING
+        ]
+        for request in reversed(rolled):
+            self.running.remove(request)
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+        return rolled
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         assert set(self.kv.req_blocks) <= {r.request_id for r in self.running}, (

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
+from pagedllm.engine.faults import (
+    EngineDeadError,
+    FaultInjection,
+    RequestFailedError,
+    describe,
+    find_culprits,
+    is_fatal,
+)
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tracing import Tracer
@@ -15,6 +25,12 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from pagedllm.text import Tokenizer
 from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# a request rolled back by this many failed steps in a row, with no token in between, means the
+# fault is not one request's (the step keeps failing): the engine is poisoned
+MAX_ROLLBACKS = 3
 
 
 @dataclass
@@ -42,9 +58,11 @@ class LLMEngine:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         metrics: bool = True,
         trace_file: str | None = None,
+        fault_injection: FaultInjection | None = None,
     ) -> None:
         """`metrics`: record vLLM's counters and histograms (`self.metrics`); `trace_file`:
-        append request-lifecycle events there, one JSON object per line (`engine.tracing`)."""
+        append request-lifecycle events there, one JSON object per line (`engine.tracing`);
+        `fault_injection`: a test hook (`engine.faults`), None (off) in production."""
         self.config = config
         self.max_logprobs = max_logprobs
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
@@ -53,6 +71,15 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics() if metrics else None
         self.tracer = Tracer(trace_file) if trace_file else None
+        # the injector wraps the runner only when on: off, a step calls the runner directly
+        execute = self.runner.execute
+        self._execute = execute if fault_injection is None else fault_injection.wrap(execute)
+        # requests a fault failed (parent id -> error), for the caller to take after a step
+        self.request_errors: dict[str, RequestFailedError] = {}
+        # set when the engine is poisoned (see `engine.faults`): why
+        self.dead_reason: str | None = None
+        # request id -> (its output tokens at its latest rollback, rollbacks in a row there)
+        self._rollbacks: dict[str, tuple[int, int]] = {}
 
     def add_request(
         self,
@@ -62,7 +89,9 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request (text or token ids). Raises ValueError for one that cannot run;
-        nothing is queued then."""
+        nothing is queued then. Raises EngineDeadError once the engine is poisoned."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -110,7 +139,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the requests that changed."""
+        """Run one engine step; return the outputs of the requests that changed. A request
+        that failed in the model runner is aborted (its output is among these, finish_reason
+        "abort") and its error put in `request_errors`; EngineDeadError when the fault is not
+        one request's (the engine is then poisoned for good)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -121,7 +153,10 @@ class LLMEngine:
             self._trace_scheduled(sched)
         if self.metrics is not None:
             self.metrics.scheduled(sched.admitted, start)
-        result = self.runner.execute(sched)
+        try:
+            result = self._execute(sched)
+        except Exception as e:
+            return self._recover(sched, e)
         changed = self.scheduler.update_from_output(sched, result)
         now = time.monotonic()
         for request in changed:
@@ -136,6 +171,73 @@ class LLMEngine:
             self._trace_step(sched, changed, now - start)
         self._record_finished(now)
         return outputs
+
+    def _recover(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The runner raised during `sched` (not applied to the scheduler): re-run halves of
+        the step until the requests that fail on their own are found, fail them, and roll
+        the others back to be recomputed (the same tokens as without the fault: seeded
+        streams are rebuilt where they stood). Poison when the fault is not one request's."""
+        if isinstance(error, EngineDeadError):
+            raise error
+        batch = sched.scheduled
+        logger.error("engine step of %d requests failed", len(batch), exc_info=error)
+        if is_fatal(error):
+            self._poison(f"device or engine failure: {describe(error)}", error)
+        try:
+            culprits = find_culprits(batch, error, self._probe)
+        except Exception as e:  # fatal, from a re-run
+            self._poison(f"device or engine failure: {describe(e)}", e)
+        parents = {self._parent_of(s.request_id) for s in batch}
+        failed = {self._parent_of(s.request_id): e for s, e in culprits}
+        if len(parents) > 1 and failed.keys() == parents:
+            self._poison(f"every request of a step failed on its own: {describe(error)}", error)
+        self.runner.forget_generators([s.request_id for s in batch])
+        outputs = [out for p, e in failed.items() if p and (out := self._fail(p, e))]
+        rolled = self.scheduler.roll_back(sched)
+        self._count_rollbacks(rolled, error)
+        if self.tracer is not None:
+            for request in rolled:
+                self.tracer.event("preempted", request.request_id, cause="fault")
+        return outputs
+
+    def _probe(self, batch: list[ScheduledRequest]) -> None:
+        self._execute(SchedulerOutput(scheduled=batch))
+
+    def _parent_of(self, child_id: str) -> str | None:
+        """The request a scheduled (child) request is a sample of."""
+        op = self.output_processor
+        for parent in (child_id, child_id.rpartition("#")[0]):
+            if op.has(parent) and child_id in op.child_ids(parent):
+                return parent
+        return None
+
+    def _fail(self, request_id: str, error: Exception) -> RequestOutput | None:
+        """Abort a request (all its samples), recording its error."""
+        logger.error("request %s failed in the model runner", request_id, exc_info=error)
+        message = f"request failed in the model runner: {describe(error)}"
+        self.request_errors[request_id] = RequestFailedError(message)
+        return self.abort_request(request_id)
+
+    def _count_rollbacks(self, rolled: list[Request], error: Exception) -> None:
+        """Poison when a request keeps being rolled back with no token in between."""
+        for request in rolled:
+            n = request.num_output_tokens
+            at, times = self._rollbacks.get(request.request_id, (-1, 0))
+            times = times + 1 if at == n else 1
+            if times >= MAX_ROLLBACKS:
+                self._poison(f"a step failed {times} times in a row: {describe(error)}", error)
+            self._rollbacks[request.request_id] = (n, times)
+        for request_id in [r for r in self._rollbacks if r not in self.scheduler.requests]:
+            del self._rollbacks[request_id]
+
+    def _poison(self, reason: str, cause: BaseException) -> NoReturn:
+        self.dead_reason = reason
+        self._execute = self._refuse  # every later step raises at once
+        logger.critical("the engine is poisoned: %s", reason)
+        raise EngineDeadError(reason) from cause
+
+    def _refuse(self, sched: SchedulerOutput) -> RunnerOutput:
+        raise EngineDeadError(self.dead_reason or "the engine is poisoned")
 
     def _record_finished(self, now: float) -> None:
         for request in self.scheduler.just_finished:

@@ -2,8 +2,13 @@
 
 Callers on any thread `submit()` and `abort()`; both only enqueue and return at once. The
 engine thread adds queued requests, steps the engine while work remains, and hands every
-output to its request's callback (on the engine thread: callbacks must be quick; they may call `abort`, which only
-enqueues).
+output to its request's callback (on the engine thread: callbacks must be quick; they may call
+`abort`, which only enqueues).
+
+Faults (`engine.faults`): a request the model runner fails on gets `on_error(RequestFailedError)`
+and the others go on. A fault that is not one request's, or any other failure of the engine
+thread, poisons the service: every request in flight gets `on_error(EngineDeadError)`,
+`healthy` turns False (`dead_reason` says why) and `submit` raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm.engine.faults import EngineDeadError, describe
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["EngineDeadError", "EngineService"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,20 @@ class EngineService:
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._stopping = False
         self._drain = True
+        # set once, on the engine thread, under the lock (so no submit is queued after the
+        # thread's last look at the queue)
+        self._lock = threading.Lock()
+        self._dead_reason: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine is poisoned or its thread failed: it serves nothing more."""
+        return self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the service is not healthy (None while it is)."""
+        return self._dead_reason
 
     def start(self) -> EngineService:
         self._thread.start()
@@ -65,10 +87,16 @@ class EngineService:
         on_output: OnOutput,
         on_error: OnError,
     ) -> None:
-        """Queue a request. A request the engine rejects gets `on_error(ValueError)`."""
-        if self._stopping:
-            raise RuntimeError("the engine is shutting down")
-        self._commands.put(_Submit(request_id, prompt, params, on_output, on_error))
+        """Queue a request. A request the engine rejects gets `on_error(ValueError)`, one the
+        model runner fails on `on_error(RequestFailedError)`, and every request in flight when
+        the engine is poisoned `on_error(EngineDeadError)`. Raises EngineDeadError at once when
+        the service is not `healthy`, RuntimeError when it is shutting down."""
+        with self._lock:
+            if self._dead_reason is not None:
+                raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._commands.put(_Submit(request_id, prompt, params, on_output, on_error))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if it already finished); its blocks are freed at the engine
@@ -83,6 +111,13 @@ class EngineService:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # never die silently
+            logger.critical("the engine thread failed", exc_info=e)
+            self._poison(f"the engine thread failed: {describe(e)}")
+
+    def _loop(self) -> None:
         stop_seen = False
         while True:
             idle = not self.engine.has_unfinished_requests()
@@ -96,8 +131,8 @@ class EngineService:
                     self._add(cmd)
                 else:
                     self._abort(cmd.request_id)
-            if self.engine.has_unfinished_requests():
-                self._step()
+            if self.engine.has_unfinished_requests() and not self._step():
+                return
             self._report()
             if stop_seen and not self.engine.has_unfinished_requests():
                 return
@@ -128,7 +163,7 @@ class EngineService:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
         except ValueError as e:
-            cmd.on_error(e)
+            _call(cmd.on_error, e)
             return
         self._callbacks[cmd.request_id] = (cmd.on_output, cmd.on_error)
 
@@ -137,18 +172,47 @@ class EngineService:
         if out is not None:
             self._deliver(out)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when it poisoned the engine."""
         try:
             outputs = self.engine.step()
-        except Exception as e:  # a bug must not strand every client: fail them all, go on
-            logger.exception("engine step failed; failing %d requests", len(self._callbacks))
-            for request_id, (_, on_error) in list(self._callbacks.items()):
-                self.engine.abort_request(request_id)
-                self._callbacks.pop(request_id, None)
-                on_error(RuntimeError(f"engine failure: {e}"))
-            return
+        except EngineDeadError as e:
+            self._poison(str(e))
+            return False
+        except Exception as e:  # outside the model runner: the engine's state is unknown
+            logger.critical("engine step failed", exc_info=e)
+            self._poison(f"engine step failed: {describe(e)}")
+            return False
+        if self.engine.request_errors:
+            self._fail_requests()
         for out in outputs:
             self._deliver(out)
+        return True
+
+    def _fail_requests(self) -> None:
+        for request_id, error in self.engine.request_errors.items():
+            callbacks = self._callbacks.pop(request_id, None)
+            if callbacks is not None:
+                _call(callbacks[1], error)
+        self.engine.request_errors.clear()
+
+    def _poison(self, reason: str) -> None:
+        """Fail every request in flight or queued; from now on `submit` raises."""
+        with self._lock:
+            if self._dead_reason is None:
+                self._dead_reason = reason
+        error = EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        logger.critical("failing %d requests: %s", len(self._callbacks), error)
+        for request_id, (_, on_error) in list(self._callbacks.items()):
+            del self._callbacks[request_id]
+            try:  # frees its blocks; the engine may be too broken for it
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of request %s failed", request_id)
+            _call(on_error, error)
+        for cmd in self._pending(wait=False):
+            if isinstance(cmd, _Submit):
+                _call(cmd.on_error, error)
 
     def _deliver(self, out: RequestOutput) -> None:
         callbacks = self._callbacks.get(out.request_id)
@@ -160,3 +224,10 @@ class EngineService:
             callbacks[0](out)
         except Exception:
             logger.exception("output callback of request %s failed", out.request_id)
+
+
+def _call(on_error: OnError, error: Exception) -> None:
+    try:
+        on_error(error)
+    except Exception:
+        logger.exception("error callback failed")

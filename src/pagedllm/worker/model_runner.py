@@ -150,7 +150,17 @@ class ModelRunner:
         gen = self._generators.get(s.request_id)
         if gen is None:
             gen = self._generators[s.request_id] = torch.Generator(self.device).manual_seed(s.seed)
+            # NOTE: a seeded stream advances by one draw per sampled token (the sampler's
+            # `_uniforms`); one dropped after a failed step is rebuilt by replaying its draws
+            for _ in range(len(s.output_token_ids)):
+                torch.rand(1, generator=gen, device=gen.device)
         return gen
+
+    def forget_generators(self, request_ids: list[str]) -> None:
+        """Drop these requests' random streams (a failed step, or re-runs of parts of it, may
+        have advanced them); each is rebuilt where it stood when next used."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
 
     def _stop_ids(self, s: ScheduledRequest) -> list[int]:
         eos = () if s.params.ignore_eos else self.config.model.eos_token_ids
