@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--trace-file", default=None, help="append request-lifecycle events here (JSON lines)"
     )
+    s.add_argument(
+        "--log-file",
+        default=None,
+        help="append the server log here (default: a new file per server under "
+        "~/.cache/pagedllm/triton/logs/)",
+    )
     t = sub.add_parser("trace", help="lifecycle events (JSON lines) -> Chrome/Perfetto trace")
     t.add_argument("events")
     t.add_argument("-o", "--output", default="trace.json")
@@ -77,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         env = (
             {"PAGEDLLM_TRACE_FILE": str(Path(args.trace_file).resolve())} if args.trace_file else {}
         )
-        return serve(model, args.http_port, args.grpc_port, args.metrics_port, args.dtype, env)
+        log_file = Path(args.log_file) if args.log_file else None
+        return serve(
+            model, args.http_port, args.grpc_port, args.metrics_port, args.dtype, env, log_file
+        )
     if args.command == "trace":
         from pagedllm.engine import tracing
 

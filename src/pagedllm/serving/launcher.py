@@ -3,10 +3,15 @@ wheel, on this machine (CPU), until Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import signal
 import site
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 from pagedllm.serving.tritonserver import TritonServer, prepare_backend_dir
@@ -16,6 +21,7 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 ENSEMBLE_CONFIG = REPO_ROOT / "ensemble_config"
 # numpy 1.x for the stub (its bindings break on numpy 2), installed by scripts/setup.sh
 STUB_SITE = Path(sys.prefix) / "stub-site"
+KEEP_LOGS = 10
 
 
 def stub_sys_path() -> list[str]:
@@ -26,23 +32,55 @@ def stub_sys_path() -> list[str]:
     return [str(STUB_SITE), *site.getsitepackages()]
 
 
+def new_log_file(logs_dir: Path, keep: int = KEEP_LOGS) -> Path:
+    """Create ``logs_dir/tritonserver-<date>-<time>-pid<pid>-<random>.log`` for one server (the
+    pid is this process's). Of the older logs, the newest ``keep`` stay; the others are deleted
+    unless the process that created them still runs (its server may still write there)."""
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"tritonserver-{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}-"
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log", dir=logs_dir)
+    os.close(fd)
+    older = sorted(p for p in logs_dir.glob("tritonserver-*.log") if p.name != Path(name).name)
+    for old in older[: max(len(older) - keep, 0)]:
+        match = re.search(r"-pid(\d+)-", old.name)
+        if match is None or not _alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                old.unlink()
+    return Path(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process (the pid was reused?): keep the log to be safe
+    return True
+
+
 def make_server(
     model_dir: str,
     *,
     ports: tuple[int, int, int] | None = None,
     dtype: str = "auto",
     work_dir: Path | None = None,
+    log_file: Path | None = None,
     log_verbose: int = 0,
     env: dict[str, str] | None = None,
 ) -> TritonServer:
-    """`env`: more settings for the models, e.g. PAGEDLLM_TRACE_FILE (docs/serving.md)."""
+    """A :class:`TritonServer` for ``model_repository/`` and ``ensemble_config/``, not started.
+    ``work_dir`` (default ``~/.cache/pagedllm/triton``) holds ``backends/``, shared by all
+    servers, and ``logs/``, where each server gets a log file of its own (:func:`new_log_file`)
+    unless ``log_file`` names one (appended to). ``ports``: (HTTP, gRPC, metrics), default free
+    ones. `env`: more settings for the models, e.g. PAGEDLLM_TRACE_FILE (docs/serving.md)."""
     work = work_dir or Path.home() / ".cache" / "pagedllm" / "triton"
     backend = prepare_backend_dir(work / "backends", f"{sys.version_info[0]}.{sys.version_info[1]}")
     return TritonServer(
         [MODEL_REPOSITORY, ENSEMBLE_CONFIG],
         backend,
         extra_pythonpath=stub_sys_path(),
-        log_path=work / "tritonserver.log",
+        log_path=Path(log_file).resolve() if log_file else new_log_file(work / "logs"),
         log_verbose=log_verbose,
         ports=ports,
         env={"PAGEDLLM_MODEL_DIR": model_dir, "PAGEDLLM_DTYPE": dtype, **(env or {})},
@@ -57,15 +95,25 @@ def serve(
     metrics_port: int,
     dtype: str,
     env: dict[str, str] | None = None,
+    log_file: Path | None = None,
 ) -> int:
     server = make_server(
-        model_dir, ports=(http_port, grpc_port, metrics_port), dtype=dtype, env=env
+        model_dir,
+        ports=(http_port, grpc_port, metrics_port),
+        dtype=dtype,
+        env=env,
+        log_file=log_file,
     )
     print(f"starting tritonserver with {model_dir} (log: {server.log_path}) ...", flush=True)
-    with server:
+    try:
+        server.start()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
         print(
             f"ready:\n  HTTP    {server.http_url}\n  gRPC    {server.grpc_url}\n"
-            f"  metrics {server.metrics_url}\n\ntry:\n"
+            f"  metrics {server.metrics_url}\n  log     {server.log_path}\n\ntry:\n"
             f"  curl -sN {server.http_url}/v2/models/ensemble/generate_stream -d "
             """'{"text_input": "Once upon a time,", "max_tokens": 32, "stream": true}'\n"""
             f"  curl -s {server.http_url}/v2/models/ensemble/generate -d "
@@ -79,7 +127,9 @@ def serve(
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         while not stop.wait(1.0):
             if server.process is not None and server.process.poll() is not None:
-                print("tritonserver exited; see the log", file=sys.stderr)
+                print(f"tritonserver exited; see {server.log_path}", file=sys.stderr)
                 return 1
+    finally:
+        server.stop()
     print("stopped")
     return 0
