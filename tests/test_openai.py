@@ -318,58 +318,6 @@ def test_chat_stream_matches_offline(
     assert all(c.choices and c.usage is None for c in chunks)
 
 
-# --- errors ---------------------------------------------------------------------------------
-
-
-def test_errors_in_openai_shape(client: openai.OpenAI, gateway: str) -> None:
-    with pytest.raises(openai.NotFoundError) as not_found:
-        client.completions.create(model="gpt-4", prompt=PROMPT)
-    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
-
-    bad: list[tuple[str, dict[str, Any], str, str]] = [
-        ("completions", {"temperature": 5}, "temperature", "less than or equal to 2"),
-        ("completions", {"logprobs": 2}, "logprobs", "only the chosen token's log-prob"),
-        ("completions", {"extra_body": {"foo": 1}}, "foo", "Unrecognized request argument"),
-        ("completions", {"max_tokens": 100_000}, "max_tokens", "exceeds the model's context"),
-        ("completions", {"prompt": [[1, 2, 3]]}, "prompt", "token-id prompts"),
-        ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs", "chosen token"),
-        ("chat", {"n": 0}, "n", "greater than or equal to 1"),
-        ("chat", {"stream": True, "max_tokens": 100_000}, "max_tokens", "context"),
-    ]
-    for endpoint, kwargs, param, message in bad:
-        with pytest.raises(openai.BadRequestError) as error:
-            if endpoint == "chat":
-                client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
-            else:
-                client.completions.create(model=MODEL, **{"prompt": PROMPT, **kwargs})
-        assert error.value.param == param, (kwargs, error.value.body)
-        assert message in error.value.message, (kwargs, error.value.body)
-        assert error.value.type == "invalid_request_error"
-
-    r = httpx.post(f"{gateway}/v1/completions", content=b"{not json")
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    r = httpx.get(f"{gateway}/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
-
-
-def test_triton_down_is_503(model_dir: Path) -> None:
-    from starlette.testclient import TestClient
-
-    from pagedllm.openai.app import GatewayConfig, create_app
-
-    app = create_app(GatewayConfig(triton_url=f"127.0.0.1:{free_port()}", model_dir=str(model_dir)))
-    with TestClient(app) as http:
-        assert http.get("/health").status_code == 503
-        client = openai.OpenAI(
-            base_url=f"{http.base_url}/v1", api_key="unused", max_retries=0, http_client=http
-        )
-        for stream in (False, True):
-            with pytest.raises(openai.InternalServerError) as error:
-                client.completions.create(model=MODEL, prompt=PROMPT, stream=stream)
-            assert error.value.status_code == 503
-            assert "unavailable" in error.value.message
-
-
 # --- cancellation ---------------------------------------------------------------------------
 
 

@@ -1,63 +1,28 @@
-"""OpenAI's request bodies (validated with pydantic) and the error shape.
+"""OpenAI's request bodies, validated with pydantic.
 
 Unknown fields are refused by name, as OpenAI does; fields that OpenAI has but the `ensemble`
 cannot honour (top alternatives in log-probs, token-id prompts, tools, ...) are refused with a
 400 naming the field rather than ignored. vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`) are accepted, as vLLM's server does
-(`extra_body` in the `openai` client).
+(`extra_body` in the `openai` client). Every string that reaches Triton must be encodable as
+UTF-8 (JSON's escapes can spell a lone surrogate), every float finite, every integer within
+the engine's range (int32 counts, seeds below 2**63).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedllm.openai.errors import bad_request
+
 # more samples than this per request are refused (each is its own Triton request)
 MAX_N = 16
 MAX_SEED = 2**63  # the engine's seeds are in [0, 2**63)
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: `{"error": {message, type, param, code}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        type: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    503: "service_unavailable",
-}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+INT32_MAX = 2**31 - 1  # token counts and top_k travel as int32 in the engine
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def only_chosen_logprob(value: int | None, name: str) -> None:
@@ -70,8 +35,28 @@ def only_chosen_logprob(value: int | None, name: str) -> None:
         )
 
 
+def check_utf8(value: Any, param: str) -> None:
+    """A 400 naming `param` (down to the index or key) for a string in `value` that cannot be
+    encoded as UTF-8: a lone surrogate, which JSON's \\uXXXX escapes can spell."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found:
+            raise bad_request(
+                f"{param} is not valid Unicode: a lone surrogate ({ascii(found.group())[1:-1]}) "
+                f"at position {found.start()} cannot be encoded as UTF-8",
+                param,
+            )
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_utf8(item, f"{param}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_utf8(key, param)
+            check_utf8(item, f"{param}.{key}")
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -94,10 +79,10 @@ class _SamplingRequest(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     ignore_eos: bool | None = None
 
     def check(self) -> None:
@@ -108,6 +93,7 @@ class _SamplingRequest(_Body):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        check_utf8(self.stop, "stop")
         if self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
             raise bad_request(f"seed + n - 1 must be below 2**63, got {self.seed}", "seed")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -144,7 +130,7 @@ class _SamplingRequest(_Body):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
@@ -152,6 +138,7 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         super().check()
+        check_utf8(self.prompt, "prompt")
         only_chosen_logprob(self.logprobs, "logprobs")
         if self.echo and self.logprobs is not None:
             raise bad_request(
@@ -201,13 +188,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
 
     def check(self) -> None:
         super().check()
+        for i, message in enumerate(self.messages):
+            check_utf8(message.model_dump(exclude_none=True), f"messages[{i}]")
         only_chosen_logprob(self.top_logprobs, "top_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -243,9 +232,32 @@ def parse_body(model: type[_SamplingRequest], raw: Any) -> Any:
             raise bad_request(f"Unrecognized request argument supplied: {param}", param) from None
         if first["type"] == "missing":
             raise bad_request(f"Missing required parameter: {param}", param) from None
-        raise bad_request(f"{param}: {first['msg']}", param) from None
+        if first["type"] == "finite_number":
+            message = f"{param} must be a finite number (not NaN or infinity)"
+            raise bad_request(message, param) from None
+        message = f"{param}: {first['msg']}"
+        valid = _valid_range(model, first["loc"])
+        if valid is not None:
+            message += f"; valid range {valid}"
+        raise bad_request(message, param) from None
     request.check()
     return request
+
+
+def _valid_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+    """A top-level numeric field's bounds as an interval, e.g. '[1, 2147483647]'."""
+    field = model.model_fields.get(str(loc[0])) if loc else None
+    bounds = {
+        name: getattr(bound, name)
+        for bound in (field.metadata if field else [])
+        for name in ("ge", "gt", "le", "lt")
+        if getattr(bound, name, None) is not None
+    }
+    if not bounds:
+        return None
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds.get('gt', '-inf')}"
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds.get('lt', 'inf')})"
+    return f"{low}, {high}"
 
 
 def _param_name(loc: tuple[int | str, ...]) -> str:

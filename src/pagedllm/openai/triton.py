@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +26,19 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+logger = logging.getLogger("pagedllm.openai")
+
 # messages of Triton-side failures that are the server's fault, not the request's
 _UNAVAILABLE_HINTS = ("unknown model", "is not ready", "not found", "failed to connect")
+# the engine refuses a request when its waiting queue is full with a message starting so
+# (Triton may put "in ensemble 'ensemble', " before it); over gRPC there is no status code
+_BUSY = re.compile(r"(?:^|, )server busy\b", re.I)
 
 
 class TritonError(Exception):
-    """A failed generation: `status` 400 for a request the model refused (our message),
-    503 when Triton cannot be reached or cannot serve the model."""
+    """A failed generation: `status` 400 for a request the model refused (our message), 429
+    when the engine is too busy to queue it, 500 when the gateway could not send it, 502 when
+    Triton's answer is broken, 503 when Triton cannot be reached or cannot serve the model."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -67,15 +75,27 @@ def _tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInpu
 
 
 def make_inputs(generation: Generation) -> list[grpcclient.InferInput]:
-    def text(value: str) -> np.ndarray:
-        return np.array([value.encode("utf-8")], dtype=np.object_)
+    """The request's tensors; TritonError 400 for text that is not valid Unicode (a lone
+    surrogate) or a parameter that is not a finite number (the protocol refuses both first)."""
+
+    def text(name: str, value: str) -> np.ndarray:
+        try:
+            return np.array([value.encode("utf-8")], dtype=np.object_)
+        except UnicodeEncodeError as e:
+            raise TritonError(400, f"{name} is not valid Unicode ({e.reason})") from None
 
     def flag(value: bool) -> np.ndarray:
         return np.array([value], dtype=np.bool_)
 
+    try:
+        sampling = json.dumps(generation.sampling, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise TritonError(400, "sampling parameters must be finite numbers") from None
     return [
-        _tensor("text_input", "BYTES", text(generation.prompt)),
-        _tensor("sampling_parameters", "BYTES", text(json.dumps(generation.sampling))),
+        _tensor("text_input", "BYTES", text("the prompt", generation.prompt)),
+        _tensor(
+            "sampling_parameters", "BYTES", text("sampling_parameters (a stop string)", sampling)
+        ),
         _tensor("stream", "BOOL", flag(True)),
         _tensor("exclude_input_in_output", "BOOL", flag(True)),
         _tensor("return_log_probs", "BOOL", flag(generation.logprobs)),
@@ -102,10 +122,19 @@ def to_chunk(result: Any) -> Chunk:
     )
 
 
-def _request_error(message: str) -> TritonError:
+def request_error(message: str) -> TritonError:
+    """The TritonError of an error response's message (gRPC streaming carries no code)."""
     lowered = message.lower()
+    if _BUSY.search(message):
+        return TritonError(429, message)
     status = 503 if any(hint in lowered for hint in _UNAVAILABLE_HINTS) else 400
     return TritonError(status, message)
+
+
+def _cancelled() -> bool:
+    """The running task is being cancelled (not merely seeing a CancelledError)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class TritonBridge:
@@ -136,11 +165,16 @@ class TritonBridge:
 
     async def generate(self, generation: Generation) -> AsyncIterator[Chunk]:
         """Yield the request's responses up to the one with a finish_reason. Raises
-        TritonError. Closing the generator before the end cancels the request."""
+        TritonError, also when the stream ends without that response. Closing the generator
+        before the end cancels the request."""
+        # NOTE: gRPC only logs what a request iterator raises (at debug level) and cancels the
+        # call, so the request is built here, where its errors are raised; and a stream that
+        # ends without a final response, or a cancelled call that is not ours, is an error
+        request = {"model_name": self.model, "inputs": make_inputs(generation)}
         sent = asyncio.Event()  # the request iterator stays open until the request is over
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": self.model, "inputs": make_inputs(generation)}
+            yield request
             await sent.wait()
 
         call = None
@@ -150,7 +184,7 @@ class TritonBridge:
             async for result, error in call:
                 if error is not None:
                     finished = True
-                    raise _request_error(str(error.message()))
+                    raise request_error(str(error.message()))
                 chunk = to_chunk(result)
                 if chunk.finish_reason:
                     finished = True
@@ -161,7 +195,16 @@ class TritonBridge:
             raise TritonError(503, f"Triton at {self.url} is unavailable: {details}") from None
         except InferenceServerException as e:
             raise TritonError(503, f"Triton at {self.url}: {e.message()}") from None
+        except asyncio.CancelledError:
+            if _cancelled():
+                raise  # our consumer went away
+            # gRPC cancelled the call itself: sending the request failed
+            logger.error("gRPC cancelled the stream of a request to %s", self.url)
+            raise TritonError(500, "the request could not be sent to Triton") from None
         finally:
             sent.set()
             if call is not None and not finished:
                 call.cancel()  # Triton cancels the ensemble request, the engine aborts it
+        if not finished:
+            logger.error("the response stream from %s ended without a final response", self.url)
+            raise TritonError(502, "Triton's response stream ended without a final response")
