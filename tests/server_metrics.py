@@ -9,13 +9,13 @@ import urllib.request
 
 
 def metrics(metrics_url: str) -> dict[str, float]:
-    """The vllm:* samples of Triton's metrics endpoint, keyed by name{labels} without the
+    """The vllm:* (and pagedllm:*) samples of Triton's metrics endpoint, keyed by name{labels} without the
     model and version labels, e.g. `vllm:request_success_total{finished_reason=abort}`."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
     samples = {}
     for line in text.splitlines():
-        m = re.match(r"(vllm:\w+)\{([^}]*)\} (\S+)", line)
+        m = re.match(r"((?:vllm|pagedllm):\w+)\{([^}]*)\} (\S+)", line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             extra = ",".join(f"{k}={v}" for k, v in labels.items() if k not in ("model", "version"))

@@ -86,6 +86,11 @@ def test_trtllm_style_inputs() -> None:
         ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "exactly one value"),
         ({"text_input": "x", "sampling_parameters": "{max_tokens: 3"}, "not valid JSON"),
         ({"text_input": "x", "sampling_parameters": "[1, 2]"}, "must be a JSON object"),
+        ({"text_input": "x", "sampling_parameters": "[" * 10**5}, "nested too deeply"),
+        (
+            {"text_input": "x", "sampling_parameters": '{"stop": "' + "a" * 300_000 + '"}'},
+            "sampling_parameters is too large",
+        ),
         (
             {"text_input": "x", "sampling_parameters": '{"max_token": 3, "tempreature": 1}'},
             "unknown sampling parameters: max_token, tempreature",
@@ -129,7 +134,7 @@ def test_return_timing_flag() -> None:
 
 
 def test_instance_device_follows_the_instance_kind() -> None:
-    from pagedllm.serving.engine_model import instance_device
+    from pagedllm.serving.settings import instance_device
 
     assert instance_device({}) == "cpu"
     assert instance_device({}, "GPU", 2) == "cuda:2"  # KIND_GPU: the GPU Triton gave it

@@ -256,9 +256,9 @@ class _RecordingEnviron(dict[str, str]):
 def run_engine_config(
     environ: dict[str, str], parameters: dict[str, str]
 ) -> tuple[set[str], dict[str, Any]]:
-    """engine_model.engine_config() under this environment, with EngineConfig.create replaced
+    """settings.engine_config() under this environment, with EngineConfig.create replaced
     by a recorder: (the PAGEDLLM_* variables it looked up, what it created the config with)."""
-    from pagedllm.serving import engine_model
+    from pagedllm.serving import settings
 
     env = _RecordingEnviron(environ)
     created: dict[str, Any] = {}
@@ -267,9 +267,9 @@ def run_engine_config(
         created.update(kwargs, model_dir=model_dir)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_model.EngineConfig, "create", staticmethod(create))
-        mp.setattr(engine_model.os, "environ", env)
-        engine_model.engine_config(parameters)
+        mp.setattr(settings.EngineConfig, "create", staticmethod(create))
+        mp.setattr(settings.os, "environ", env)
+        settings.engine_config(parameters)
     assert created, "engine_config did not create an EngineConfig"
     return {k for k in env.looked_up if k.startswith("PAGEDLLM_")}, created
 

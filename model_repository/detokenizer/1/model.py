@@ -1,5 +1,7 @@
 """Triton adapter: the engine's window protocol -> text
-(`pagedllm.serving.text_models.DetokenizerModel`); reports cancelled requests to the engine."""
+(`pagedllm.serving.text_models.DetokenizerModel`); reports cancelled requests to the engine.
+Decoupled so that it can answer a probe with no response at all (a final flag only): the
+ensemble's client sees nothing of it."""
 
 import os
 import site
@@ -13,13 +15,17 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
-import numpy as np  # noqa: E402
+import logging  # noqa: E402
+
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.serving import adapter  # noqa: E402
-from pagedllm.serving.engine_model import model_dir  # noqa: E402
+from pagedllm.serving.codec import RequestError  # noqa: E402
+from pagedllm.serving.settings import model_dir  # noqa: E402
 from pagedllm.serving.text_models import DetokenizerModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
@@ -28,26 +34,23 @@ class TritonPythonModel:
         self.model = DetokenizerModel(Tokenizer.from_model_dir(model_dir(params)))
 
     def execute(self, requests):
-        responses = []
         for request in requests:
-            tensors, request_id = self.model.handle(adapter.getter(pb_utils, request))
+            sender = request.get_response_sender()
+            try:
+                tensors, request_id = self.model.handle(adapter.getter(pb_utils, request))
+            except RequestError as e:  # a direct caller's bad tensors
+                sender.send(adapter.error(pb_utils, str(e)), flags=FINAL)
+                continue
+            except Exception:
+                logging.exception("detokenizer failed")
+                sender.send(adapter.error(pb_utils, "detokenizer failed", "INTERNAL"), flags=FINAL)
+                continue
             if request_id is not None and request.is_cancelled():  # None: not asked this time
                 # Triton does not tell the in-flight llm_engine request (DESIGN.md fact 5);
                 # the response still goes out, so the ensemble request completes
-                self._abort(request_id)
-            responses.append(adapter.response(pb_utils, tensors))
-        return responses
-
-    @staticmethod
-    def _abort(request_id):
-        request = pb_utils.InferenceRequest(
-            model_name="llm_engine",
-            inputs=[
-                pb_utils.Tensor(
-                    "abort_request_id", np.array([request_id.encode()], dtype=np.object_)
-                )
-            ],
-            requested_output_names=["meta"],
-        )
-        for _ in request.exec(decoupled=True):  # one empty final response
-            pass
+                adapter.abort_engine_request(pb_utils, request_id)
+            if tensors is None:  # a probe
+                sender.send(flags=FINAL)
+            else:
+                sender.send(adapter.response(pb_utils, tensors), flags=FINAL)
+        return None

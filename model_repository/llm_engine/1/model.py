@@ -19,13 +19,21 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.sampling_params import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
-from pagedllm.serving.engine_model import (  # noqa: E402
-    EngineModel,
+from pagedllm.serving.engine_model import EngineModel  # noqa: E402
+from pagedllm.serving.metrics import (  # noqa: E402
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    REJECTED,
+    MetricsExporter,
+)
+from pagedllm.serving.settings import (  # noqa: E402
+    DEFAULT_MAX_QUEUED_REQUESTS,
     engine_config,
     instance_device,
+    int_setting,
     setting,
 )
-from pagedllm.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, MetricsExporter  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -63,9 +71,16 @@ class _Metrics:
     def __call__(self, stats, observations):
         self.queue.put((stats, observations))
 
+    def rejected(self):
+        self.queue.put(None)
+
     def _apply(self):
         while True:
-            self._update(*self.queue.get())
+            item = self.queue.get()
+            if item is None:
+                self._metric(REJECTED, (("reason", "queue_full"),)).increment(1)
+            else:
+                self._update(*item)
 
     def _update(self, stats, observations):
         for u in self.exporter.updates(stats, observations):
@@ -86,26 +101,35 @@ class TritonPythonModel:
         device = instance_device(
             params, args["model_instance_kind"], int(args["model_instance_device_id"])
         )
+        exporter = _Metrics(labels) if metrics else None
         self.model = EngineModel(
             engine_config(params, device),
-            on_stats=_Metrics(labels) if metrics else None,
+            on_stats=exporter,
             trace_file=setting(params, "trace_file") or None,
+            max_queued_requests=int_setting(
+                params, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS
+            ),
+            on_rejected=exporter.rejected if exporter else None,
         )
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             abort = pb_utils.get_input_tensor_by_name(request, "abort_request_id")
-            if abort is not None:  # from the detokenizer: the ensemble's client cancelled
-                self.model.abort(abort.as_numpy().reshape(-1)[0].decode())
+            if abort is not None:  # the ensemble's client cancelled (from the detokenizer)
+                # harmless from anyone else: the id is the request's 128-bit random key
+                # (docs/serving.md, threat model); the answer says nothing about it
+                key = abort.as_numpy().reshape(-1)
+                if key.size == 1 and isinstance(key[0], bytes):
+                    self.model.abort(key[0].decode("utf-8", "replace"))
                 sender.send(flags=FINAL)
                 continue
 
             def send(tensors, final, sender=sender):
                 sender.send(adapter.response(pb_utils, tensors), flags=FINAL if final else 0)
 
-            def fail(message, sender=sender):
-                sender.send(adapter.error(pb_utils, message), flags=FINAL)
+            def fail(message, code, sender=sender):
+                sender.send(adapter.error(pb_utils, message, code), flags=FINAL)
 
             get = adapter.getter(pb_utils, request)
             self.model.handle(get, send, fail, sender.is_cancelled)

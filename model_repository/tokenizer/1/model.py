@@ -12,11 +12,13 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
+import logging  # noqa: E402
+
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
-from pagedllm.serving.engine_model import model_dir  # noqa: E402
+from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES, int_setting, model_dir  # noqa: E402
 from pagedllm.serving.text_models import TokenizerModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -24,7 +26,10 @@ from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
 class TritonPythonModel:
     def initialize(self, args):
         params = adapter.parameters(args)
-        self.model = TokenizerModel(Tokenizer.from_model_dir(model_dir(params)))
+        self.model = TokenizerModel(
+            Tokenizer.from_model_dir(model_dir(params)),
+            int_setting(params, "max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES, minimum=1),
+        )
 
     def execute(self, requests):
         responses = []
@@ -33,6 +38,10 @@ class TritonPythonModel:
                 tensors = self.model.handle(adapter.getter(pb_utils, request))
             except RequestError as e:
                 responses.append(adapter.error(pb_utils, str(e)))
+                continue
+            except Exception:
+                logging.exception("tokenizer failed")
+                responses.append(adapter.error(pb_utils, "tokenizer failed", "INTERNAL"))
                 continue
             responses.append(adapter.response(pb_utils, tensors))
         return responses

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from pagedllm.serving.codec import Getter
 
 
@@ -33,5 +35,22 @@ def response(pb_utils: Any, tensors: dict[str, Any]) -> Any:
     )
 
 
-def error(pb_utils: Any, message: str) -> Any:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+def error(pb_utils: Any, message: str, code: str = "INVALID_ARG") -> Any:
+    """An error response. `code`: a `pb_utils.TritonError` code — INVALID_ARG (the request's
+    fault: HTTP 400, gRPC INVALID_ARGUMENT), UNAVAILABLE (503), INTERNAL (500, a server
+    fault only)."""
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+    )
+
+
+def abort_engine_request(pb_utils: Any, request_id: str) -> None:
+    """Ask `llm_engine` to abort the request with this id (the key from its `strings`)."""
+    key = np.array([request_id.encode()], dtype=np.object_)
+    request = pb_utils.InferenceRequest(
+        model_name="llm_engine",
+        inputs=[pb_utils.Tensor("abort_request_id", key)],
+        requested_output_names=["meta"],
+    )
+    for _ in request.exec(decoupled=True):  # one empty final response
+        pass

@@ -50,6 +50,8 @@ ALL_INPUTS = (
 )
 
 Getter = Callable[[str], "np.ndarray | None"]
+# sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
+MAX_JSON_CHARS = 1 << 18
 
 
 class RequestError(ValueError):
@@ -86,10 +88,17 @@ def _utf8(name: str, value: bytes) -> str:
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    if len(text) > MAX_JSON_CHARS:
+        raise RequestError(
+            f"sampling_parameters is too large: {len(text)} characters, the limit is"
+            f" {MAX_JSON_CHARS}"
+        )
     try:
         obj = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
         raise RequestError(f"sampling_parameters is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise RequestError("sampling_parameters is nested too deeply") from None
     if not isinstance(obj, dict):
         raise RequestError("sampling_parameters must be a JSON object")
     return obj

