@@ -12,7 +12,9 @@ for _p in os.environ.get("PAGEDLLM_SYS_PATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _before] + _before
 
+import logging  # noqa: E402
 import queue  # noqa: E402
+import signal  # noqa: E402
 import threading  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
@@ -93,6 +95,15 @@ class _Metrics:
                 metric.observe(u.value)
 
 
+def _stop_server(reason):
+    """A poisoned engine refuses every request; Triton 2.51 gives a Python model no way to
+    mark itself unready (a dead stub even leaves it "ready"), so the server is stopped: it
+    turns unready at once, drains, and exits, and its supervisor (compose, Kubernetes)
+    starts a fresh one — what vLLM's server does when its engine dies."""
+    logging.error("llm_engine: the engine is dead (%s): stopping tritonserver", reason)
+    os.kill(os.getppid(), signal.SIGTERM)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = adapter.parameters(args)
@@ -110,6 +121,10 @@ class TritonPythonModel:
                 params, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS
             ),
             on_rejected=exporter.rejected if exporter else None,
+            on_dead=_stop_server
+            if to_bool("exit_on_engine_failure", setting(params, "exit_on_engine_failure", "true"))
+            else None,
+            fault_injection=setting(params, "fault_injection"),
         )
 
     def execute(self, requests):

@@ -47,6 +47,7 @@ import numpy as np
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
+from pagedllm.engine.faults import FaultInjection
 from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
@@ -217,12 +218,22 @@ class EngineModel:
         trace_file: str | None = None,
         max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         on_rejected: Callable[[], None] | None = None,
+        on_dead: Callable[[str], None] | None = None,
+        fault_injection: str = "",
     ) -> None:
         """`on_stats` (optional, called on the engine thread) feeds metrics (None: the engine
         records none); `trace_file`: request-lifecycle events, one JSON object per line;
         `max_queued_requests`: requests accepted beyond the `max_num_seqs` that run at once
-        (more are refused at once with UNAVAILABLE; `on_rejected` counts them)."""
-        self.engine = LLMEngine(config, metrics=on_stats is not None, trace_file=trace_file)
+        (more are refused at once with UNAVAILABLE; `on_rejected` counts them); `on_dead`:
+        called once, with the reason, when the engine is poisoned (`engine.faults`; every
+        request is refused from then on); `fault_injection`: a test hook, "" in production."""
+        self.engine = LLMEngine(
+            config,
+            metrics=on_stats is not None,
+            trace_file=trace_file,
+            fault_injection=FaultInjection.parse(fault_injection),
+        )
+        self._on_dead = on_dead
         self.service = EngineService(self.engine, on_stats).start()
         self.max_in_flight = config.scheduler.max_num_seqs + max_queued_requests
         self._on_rejected = on_rejected
@@ -336,6 +347,11 @@ class EngineModel:
             else:
                 stream.send(stream.probe(), False)
 
+    def _check_health(self) -> None:
+        if self._on_dead is not None and not self.service.healthy:
+            on_dead, self._on_dead = self._on_dead, None
+            on_dead(self.service.dead_reason or "the engine failed")
+
     def _send_loop(self) -> None:
         next_probe = time.monotonic() + PROBE_INTERVAL
         while True:
@@ -350,6 +366,7 @@ class EngineModel:
                 if (now := time.monotonic()) >= next_probe:
                     next_probe = now + PROBE_INTERVAL / 4
                     self._probe_idle(now)
+                    self._check_health()
             except Exception:
                 logger.exception("sending a response failed")
 
