@@ -133,6 +133,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_checkpoint(root / arch, arch) for arch in ARCHS}
 
 
+@pytest.fixture(scope="session")
+def slow_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama slow enough for long generations (seconds per thousand tokens)."""
+    return make_checkpoint(
+        tmp_path_factory.mktemp("slow") / "llama",
+        "llama",
+        max_position_embeddings=4096,
+        num_hidden_layers=4,
+        hidden_size=256,
+        intermediate_size=512,
+    )
+
+
 @pytest.fixture(scope="module")
 def server(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory

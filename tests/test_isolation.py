@@ -17,6 +17,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,6 @@ import pytest
 import server_metrics
 from test_server import GrpcStream, grpc_inputs, post
 
-from conftest import make_checkpoint
 from pagedllm.serving.tritonserver import TritonServer
 
 LONG = 2000  # tokens: tens of seconds on this model, far longer than any wait below
@@ -34,17 +34,12 @@ ABORTED = "vllm:request_success_total{finished_reason=abort}"
 
 
 @pytest.fixture(scope="module")
-def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+def slow_server(
+    slow_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
     from pagedllm.serving.launcher import make_server
 
-    ckpt = make_checkpoint(
-        tmp_path_factory.mktemp("slow") / "llama",
-        "llama",
-        max_position_embeddings=4096,
-        num_hidden_layers=4,
-        hidden_size=256,
-        intermediate_size=512,
-    )
+    ckpt = slow_checkpoint
     env = {
         "PAGEDLLM_MAX_NUM_SEQS": str(MAX_NUM_SEQS),
         "PAGEDLLM_MAX_QUEUED_REQUESTS": str(MAX_QUEUED),

@@ -30,6 +30,7 @@ from pagedllm.serving.metrics import (  # noqa: E402
     MetricsExporter,
 )
 from pagedllm.serving.settings import (  # noqa: E402
+    DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_MAX_QUEUED_REQUESTS,
     engine_config,
     instance_device,
@@ -95,6 +96,22 @@ class _Metrics:
                 metric.observe(u.value)
 
 
+def _stopping(drain_file):
+    """When to drain: `drain_file` exists (`pagedllm serve` creates it before it stops the
+    server; a Kubernetes preStop hook can too), or this model is being unloaded (then it is
+    no longer ready; a stopping server answers "Server not ready")."""
+
+    def stopping():
+        if drain_file and os.path.exists(drain_file):
+            return True
+        try:
+            return not pb_utils.is_model_ready("llm_engine")
+        except Exception as e:
+            return "not ready" in str(e)
+
+    return stopping
+
+
 def _stop_server(reason):
     """A poisoned engine refuses every request; Triton 2.51 gives a Python model no way to
     mark itself unready (a dead stub even leaves it "ready"), so the server is stopped: it
@@ -125,6 +142,8 @@ class TritonPythonModel:
             if to_bool("exit_on_engine_failure", setting(params, "exit_on_engine_failure", "true"))
             else None,
             fault_injection=setting(params, "fault_injection"),
+            stopping=_stopping(setting(params, "drain_file")),
+            drain_timeout=float(setting(params, "drain_timeout_s", str(DEFAULT_DRAIN_TIMEOUT))),
         )
 
     def execute(self, requests):

@@ -52,7 +52,7 @@ from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.codec import Getter, RequestError, parse_request
-from pagedllm.serving.settings import DEFAULT_MAX_QUEUED_REQUESTS
+from pagedllm.serving.settings import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_QUEUED_REQUESTS
 from pagedllm.text.detokenizer import CONTEXT
 
 logger = logging.getLogger(__name__)
@@ -220,13 +220,18 @@ class EngineModel:
         on_rejected: Callable[[], None] | None = None,
         on_dead: Callable[[str], None] | None = None,
         fault_injection: str = "",
+        stopping: Callable[[], bool] | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     ) -> None:
         """`on_stats` (optional, called on the engine thread) feeds metrics (None: the engine
         records none); `trace_file`: request-lifecycle events, one JSON object per line;
         `max_queued_requests`: requests accepted beyond the `max_num_seqs` that run at once
         (more are refused at once with UNAVAILABLE; `on_rejected` counts them); `on_dead`:
         called once, with the reason, when the engine is poisoned (`engine.faults`; every
-        request is refused from then on); `fault_injection`: a test hook, "" in production."""
+        request is refused from then on); `fault_injection`: a test hook, "" in production;
+        `stopping`: True once the server is stopping or unloading this model — then new
+        requests are refused (UNAVAILABLE), and those in flight get `drain_timeout` seconds to
+        finish before they are aborted (so the server's own exit timeout is never reached)."""
         self.engine = LLMEngine(
             config,
             metrics=on_stats is not None,
@@ -234,6 +239,10 @@ class EngineModel:
             fault_injection=FaultInjection.parse(fault_injection),
         )
         self._on_dead = on_dead
+        self._stopping = stopping
+        self.drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None  # set when the server stops
+        self._drained: set[str] = set()  # aborted at the deadline
         self.service = EngineService(self.engine, on_stats).start()
         self.max_in_flight = config.scheduler.max_num_seqs + max_queued_requests
         self._on_rejected = on_rejected
@@ -258,6 +267,9 @@ class EngineModel:
         except Exception:
             logger.exception("reading a request failed")
             fail("internal error reading the request", "INTERNAL")
+            return
+        if self._drain_deadline is not None:
+            fail("the engine is shutting down: no new requests", "UNAVAILABLE")
             return
         if not self._admit():
             fail(
@@ -333,6 +345,7 @@ class EngineModel:
 
     def _done(self, stream: _Stream) -> None:
         self._live.pop(stream.request_id, None)
+        self._drained.discard(stream.request_id)
         with self._lock:
             self._in_flight -= 1
 
@@ -347,10 +360,21 @@ class EngineModel:
             else:
                 stream.send(stream.probe(), False)
 
-    def _check_health(self) -> None:
+    def _check_health(self, now: float) -> None:
         if self._on_dead is not None and not self.service.healthy:
             on_dead, self._on_dead = self._on_dead, None
             on_dead(self.service.dead_reason or "the engine failed")
+        if self._drain_deadline is None:
+            if self._stopping is not None and self._stopping():
+                logger.warning("the server is stopping: draining %d requests", len(self._live))
+                self._drain_deadline = now + self.drain_timeout
+        elif now >= self._drain_deadline and self._live.keys() - self._drained:
+            # NOTE: they end the way a cancel does (finish_reason "abort"): an error after
+            # streamed responses leaves a Triton 2.51 ensemble request in flight for good
+            logger.warning("drain: aborting %d requests", len(self._live.keys() - self._drained))
+            for request_id in self._live.keys() - self._drained:
+                self._drained.add(request_id)
+                self.service.abort(request_id)
 
     def _send_loop(self) -> None:
         next_probe = time.monotonic() + PROBE_INTERVAL
@@ -366,7 +390,7 @@ class EngineModel:
                 if (now := time.monotonic()) >= next_probe:
                     next_probe = now + PROBE_INTERVAL / 4
                     self._probe_idle(now)
-                    self._check_health()
+                    self._check_health(now)
             except Exception:
                 logger.exception("sending a response failed")
 

@@ -12,7 +12,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from pagedllm.serving.tritonserver import TritonServer, prepare_backend_dir
 
@@ -76,16 +78,62 @@ def make_server(
     ones. `env`: more settings for the models, e.g. PAGEDLLM_TRACE_FILE (docs/serving.md)."""
     work = work_dir or Path.home() / ".cache" / "pagedllm" / "triton"
     backend = prepare_backend_dir(work / "backends", f"{sys.version_info[0]}.{sys.version_info[1]}")
-    return TritonServer(
+    log_path = Path(log_file).resolve() if log_file else new_log_file(work / "logs")
+    drain_file = Path(tempfile.mkdtemp(prefix="pagedllm-drain-")) / "drain"
+    return DrainingServer(
         [MODEL_REPOSITORY, ENSEMBLE_CONFIG],
         backend,
+        drain_file=drain_file,
         extra_pythonpath=stub_sys_path(),
-        log_path=Path(log_file).resolve() if log_file else new_log_file(work / "logs"),
+        log_path=log_path,
         log_verbose=log_verbose,
         ports=ports,
-        env={"PAGEDLLM_MODEL_DIR": model_dir, "PAGEDLLM_DTYPE": dtype, **(env or {})},
+        env={
+            "PAGEDLLM_MODEL_DIR": model_dir,
+            "PAGEDLLM_DTYPE": dtype,
+            "PAGEDLLM_DRAIN_FILE": str(drain_file),
+            **(env or {}),
+        },
         start_timeout=600.0,
     )
+
+
+class DrainingServer(TritonServer):
+    """A server that drains before it stops. Once Triton has a stop signal it starts no new
+    step of an ensemble (its requests get "Server not ready"), so streams in flight could
+    neither finish nor end: :meth:`stop` first creates ``drain_file``, which `llm_engine`
+    watches (docs/serving.md, Graceful drain) — new requests are refused, those in flight get
+    `drain_timeout_s` to finish and are then aborted — waits until no request is left (at
+    most ``drain_wait`` s), and only then signals the server."""
+
+    def __init__(self, *args: Any, drain_file: Path, drain_wait: float = 30.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.drain_file = drain_file
+        self.drain_wait = drain_wait
+
+    def stop(self) -> int | None:
+        if self.process is not None and self.process.poll() is None:
+            self.drain_file.touch()
+            deadline = time.monotonic() + self.drain_wait
+            while not _idle(self.metrics_url) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        try:
+            return super().stop()
+        finally:
+            with contextlib.suppress(OSError):
+                self.drain_file.unlink()
+                self.drain_file.parent.rmdir()
+
+
+def _idle(metrics_url: str) -> bool:
+    """No request runs or waits in the engine (its vllm:* gauges), or no metrics to read."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return True
+    gauges = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
+    return all(float(v) == 0 for v in gauges)
 
 
 def serve(
