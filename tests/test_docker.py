@@ -391,7 +391,10 @@ def test_tritonserver_serves_the_copied_repositories(
     dockerfile: Dockerfile, served: dict[str, Path], context: Path
 ) -> None:
     argv = dockerfile.command()
-    assert "tritonserver" in [Path(a).name for a in argv], argv
+    # serve.sh (docker/serve.sh, copied in) runs tritonserver with the arguments that follow
+    assert Path(argv[0]).name == "serve.sh", argv
+    assert any(dest == argv[0] for srcs, dest in dockerfile.copies() if srcs == ["docker/serve.sh"])
+    assert 'tritonserver "$@" &' in (context / "docker/serve.sh").read_text()
     sources = {path.relative_to(context).as_posix(): dest for dest, path in served.items()}
     assert set(sources) == set(EXPECTED_MODELS), f"served: {sources}"
     for repo, models in EXPECTED_MODELS.items():

@@ -8,6 +8,7 @@ descriptors or KV blocks."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import urllib.request
@@ -132,3 +133,63 @@ def test_unload_and_reload_under_load_five_times_leaks_nothing(
     assert last["children"] == first["children"]
     assert last["threads"] <= first["threads"] + 2, samples
     assert last["fds"] <= first["fds"] + 8, samples
+
+
+def test_the_container_command_drains_on_sigterm(slow_checkpoint: Path, tmp_path: Path) -> None:
+    """docker/serve.sh, the image's command, run here with the wheel's tritonserver."""
+    import os
+    import subprocess
+
+    from pagedllm.serving.launcher import ENSEMBLE_CONFIG, MODEL_REPOSITORY, stub_sys_path
+    from pagedllm.serving.tritonserver import (
+        find_pytriton,
+        free_port,
+        prepare_backend_dir,
+        server_command,
+        server_env,
+    )
+
+    ports: set[int] = set()
+    while len(ports) < 3:
+        ports.add(free_port())
+    http, grpc, metrics = sorted(ports)
+    backend = prepare_backend_dir(tmp_path / "backends")
+    server = TritonServer([], backend)  # only for its URLs and readiness check
+    server.http_port, server.grpc_port, server.metrics_port = http, grpc, metrics
+    argv = server_command(
+        [MODEL_REPOSITORY, ENSEMBLE_CONFIG],
+        backend,
+        http,
+        grpc,
+        metrics,
+        server_id=server.server_id,
+    )
+    env = server_env(stub_sys_path())
+    env.update(
+        PATH=f"{find_pytriton() / 'bin'}{os.pathsep}{env['PATH']}",
+        PAGEDLLM_MODEL_DIR=str(slow_checkpoint),
+        PAGEDLLM_DTYPE="float32",
+        PAGEDLLM_DRAIN_TIMEOUT_S=str(DRAIN),
+        PAGEDLLM_DRAIN_FILE=str(tmp_path / "drain"),
+        PAGEDLLM_METRICS_URL=server.metrics_url,
+    )
+    script = Path(__file__).resolve().parents[1] / "docker" / "serve.sh"
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([str(script), *argv[1:]], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not server.is_ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "no start"
+            time.sleep(0.2)
+        long = GrpcStream(server, {**long_request(), "stream": True})
+        wait_running(server, 1)
+        proc.send_signal(signal.SIGTERM)  # what docker stop / Kubernetes send
+        assert long.done.wait(DRAIN + 5), "the request was not ended by the drain"
+        long.client.stop_stream()
+        assert long.error is None and long.responses[-1][1]["finish_reason"] == "abort"
+        assert proc.wait(30) == 0
+        assert not (tmp_path / "drain").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["pkill", "-KILL", "-f", str(backend)], check=False)
