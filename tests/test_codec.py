@@ -145,7 +145,7 @@ def test_instance_device_follows_the_instance_kind() -> None:
 
 
 def test_cancel_polls_ask_each_request_at_most_once_per_interval() -> None:
-    from pagedllm.serving.engine_model import CancelPolls
+    from pagedllm.serving.cancel_polls import CancelPolls
 
     polls = CancelPolls(interval=0.2, max_entries=3)
     assert polls.due("a", final=False)  # a request's first response is always asked

@@ -26,7 +26,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
-from pagedllm.serving.engine_model import error_code  # noqa: E402
+from pagedllm.serving.errors import error_code  # noqa: E402
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES, int_setting, model_dir  # noqa: E402
 from pagedllm.serving.text_models import DetokenizerModel, TokenizerModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402

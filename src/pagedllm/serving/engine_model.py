@@ -39,9 +39,7 @@ import queue
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Literal
 
 import numpy as np
 
@@ -51,7 +49,9 @@ from pagedllm.engine.faults import FaultInjection
 from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.serving.errors import Code, error_code
 from pagedllm.serving.settings import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_QUEUED_REQUESTS
 from pagedllm.text.detokenizer import CONTEXT
 
@@ -72,58 +72,10 @@ META = (
 )
 # seconds without a response after which a live request gets a probe
 PROBE_INTERVAL = 0.5
-# Triton error codes (`pb_utils.TritonError.<code>`): the client's fault (HTTP 400, gRPC
-# INVALID_ARGUMENT), the server's load or state (503 / UNAVAILABLE), a server fault (500)
-Code = Literal["INVALID_ARG", "UNAVAILABLE", "INTERNAL"]
-# the engine's errors that are not the request's fault start with one of these (a code does
-# not survive a BLS call in Triton 2.51: the `llm` model reads it back from the message)
-UNAVAILABLE_PREFIXES = ("server busy", "the engine is dead", "the engine is shutting down")
-INTERNAL_PREFIXES = ("internal error", "request failed in the model runner")
-
-
-def error_code(message: str) -> Code:
-    """The Triton error code of an error message of this model (`Code`)."""
-    text = message.removeprefix("in ensemble 'ensemble', ")
-    if text.startswith(UNAVAILABLE_PREFIXES):
-        return "UNAVAILABLE"
-    return "INTERNAL" if text.startswith(INTERNAL_PREFIXES) else "INVALID_ARG"
-
-
 # send(tensors, final) / fail(message, code): the adapter turns them into Triton responses
 Send = Callable[[Tensors, bool], None]
 Fail = Callable[[str, Code], None]
 IsCancelled = Callable[[], bool]
-
-
-class CancelPolls:
-    """When to ask Triton whether a request was cancelled. Each `is_cancelled()` is a round
-    trip from the stub to the server, costlier than sending a response, so a request is asked
-    at most once per `interval` seconds (its first non-final response always), never on its
-    final response; a cancel is seen within `interval` plus one response."""
-
-    def __init__(self, interval: float = 0.2, max_entries: int = 65536) -> None:
-        self.interval = interval
-        self.max_entries = max_entries
-        self._asked: OrderedDict[str, float] = OrderedDict()  # least recently seen first
-        self._lock = threading.Lock()
-
-    def due(self, key: str, final: bool) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            last = self._asked.pop(key, None)
-            if final:
-                return False
-            if last is not None and now - last < self.interval:
-                self._asked[key] = last
-                return False
-            self._asked[key] = now
-            while len(self._asked) > self.max_entries:  # requests whose final we never saw
-                self._asked.popitem(last=False)
-            return True
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._asked.pop(key, None)
 
 
 def _ints(values: list[int]) -> np.ndarray:

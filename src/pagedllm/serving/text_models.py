@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError
-from pagedllm.serving.engine_model import META, CancelPolls, Tensors
+from pagedllm.serving.engine_model import META, Tensors
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES
 from pagedllm.text.detokenizer import window_text
 from pagedllm.text.tokenizer import Tokenizer
