@@ -307,10 +307,13 @@ class EngineModel:
             if now - stream.last_sent < PROBE_INTERVAL:
                 continue
             stream.last_sent = now
-            if stream.is_cancelled():  # a direct client left
-                self.service.abort(stream.request_id)
-            else:
-                stream.send(stream.probe(), False)
+            try:
+                if stream.is_cancelled():  # a direct client left
+                    self.service.abort(stream.request_id)
+                else:
+                    stream.send(stream.probe(), False)
+            except Exception:  # this request's trouble: the others are still probed
+                logger.exception("probing request %s failed", stream.request_id)
 
     def _check_health(self, now: float) -> None:
         if self._on_dead is not None and not self.service.healthy:
@@ -339,12 +342,15 @@ class EngineModel:
                 return
             try:
                 job()
-                if (now := time.monotonic()) >= next_probe:
-                    next_probe = now + PROBE_INTERVAL / 4
-                    self._probe_idle(now)
-                    self._check_health(now)
             except Exception:
                 logger.exception("sending a response failed")
+            if (now := time.monotonic()) >= next_probe:
+                next_probe = now + PROBE_INTERVAL / 4
+                try:
+                    self._probe_idle(now)
+                    self._check_health(now)
+                except Exception:  # never the end of this thread
+                    logger.exception("probing failed")
 
     def abort(self, request_id: str) -> None:
         """A client of the ensemble cancelled (reported by the detokenizer)."""
