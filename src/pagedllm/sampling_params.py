@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_BAD_WORDS = 100  # per list: bad_words, bad_words_ids
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 64  # per sequence of bad_words_ids
 DEFAULT_MAX_LOGPROBS = 20
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -74,6 +78,25 @@ def _to_int_list(name: str, value: Any) -> list[int]:
     return [_to_int(name, v) for v in value]
 
 
+def _to_str_list(name: str, value: Any) -> list[str]:
+    """None, one string or a list of strings."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+    return list(value)
+
+
+def _to_id_lists(name: str, value: Any) -> list[list[int]]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple) or not all(isinstance(v, list | tuple) for v in value):
+        raise ValueError(f"{name} must be a list of lists of token ids, got {value!r}")
+    return [_to_int_list(name, v) for v in value]
+
+
 @dataclass
 class SamplingParams:
     """How to generate for one request (vLLM's `SamplingParams` names and meanings)."""
@@ -91,6 +114,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # words never to generate (see `update_from_tokenizer`), and token sequences as given
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -101,6 +127,10 @@ class SamplingParams:
     # accepted for vLLM compatibility; fast tokenizers ignore it, as in vLLM
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # set by the engine (`update_from_tokenizer`): the token sequences the sampler bans
+    _bad_words_token_ids: list[list[int]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self._convert()
@@ -109,7 +139,8 @@ class SamplingParams:
     @staticmethod
     def from_dict(values: dict[str, Any]) -> SamplingParams:
         """Build from a JSON object; unknown keys are an error naming them."""
-        names = {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind"}
+        fields = dataclasses.fields(SamplingParams)
+        names = {f.name for f in fields if f.init} - {"output_kind"}
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
@@ -142,16 +173,10 @@ class SamplingParams:
             "spaces_between_special_tokens",
         ):
             setattr(self, name, to_bool(name, getattr(self, name)))
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif not isinstance(self.stop, list | tuple) or not all(
-            isinstance(s, str) for s in self.stop
-        ):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        self.stop = list(self.stop)
+        self.stop = _to_str_list("stop", self.stop)
         self.stop_token_ids = _to_int_list("stop_token_ids", self.stop_token_ids or [])
+        self.bad_words = _to_str_list("bad_words", self.bad_words)
+        self.bad_words_ids = _to_id_lists("bad_words_ids", self.bad_words_ids)
 
     def _validate(self) -> None:
         checks = [
@@ -198,6 +223,26 @@ class SamplingParams:
                 f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters",
             ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (
+                len(self.bad_words) <= MAX_BAD_WORDS,
+                f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}",
+            ),
+            (
+                all(0 < len(w) <= MAX_BAD_WORD_CHARS and w.strip() for w in self.bad_words),
+                f"bad_words must have 1 to {MAX_BAD_WORD_CHARS} characters, not all whitespace",
+            ),
+            (
+                len(self.bad_words_ids) <= MAX_BAD_WORDS,
+                f"at most {MAX_BAD_WORDS} bad_words_ids sequences, got {len(self.bad_words_ids)}",
+            ),
+            (
+                all(0 < len(s) <= MAX_BAD_WORD_TOKENS for s in self.bad_words_ids),
+                f"bad_words_ids sequences must have 1 to {MAX_BAD_WORD_TOKENS} token ids",
+            ),
+            (
+                all(t >= 0 for s in self.bad_words_ids for t in s),
+                "bad_words_ids must be non-negative",
+            ),
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (
                 self.seed is None or 0 <= self.seed < 2**63,
@@ -209,6 +254,30 @@ class SamplingParams:
                 raise ValueError(message)
         if self.top_k == 0:
             self.top_k = -1
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token sequences never to generate (empty until `update_from_tokenizer`)."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, encode: Callable[[str], list[int]], vocab_size: int) -> None:
+        """Resolve `bad_words` to token sequences as vLLM does, plus `bad_words_ids` as given.
+        Each word, left-stripped, is encoded (no special tokens) as is and with a leading space;
+        the spaced form is banned too when it starts with another token but has as many tokens
+        (a word mid-text). Raises ValueError for a word with no tokens or an id >= vocab_size."""
+        banned: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            if not plain:
+                raise ValueError(f"bad word {word!r} encodes to no tokens")
+            banned.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                banned.append(spaced)
+        banned += self.bad_words_ids
+        if any(t >= vocab_size for seq in banned for t in seq):
+            raise ValueError(f"bad_words token ids must be in [0, {vocab_size})")
+        self._bad_words_token_ids = banned
 
     def check_logprobs_cap(self, max_logprobs: int) -> None:
         for name in ("logprobs", "prompt_logprobs"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_logprobs_cap(self.max_logprobs)
+        if params.bad_words or params.bad_words_ids:
+            params = dataclasses.replace(params)  # the caller's object stays as it was
+            params.update_from_tokenizer(self._encode_word, vocab)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         eos = frozenset(self.config.model.eos_token_ids)
         now = arrival_time or time.monotonic()
@@ -121,6 +125,9 @@ class LLMEngine:
             if self.tracer is not None:
                 self.tracer.event("queued", child.request_id, prompt_tokens=len(token_ids))
         self.output_processor.add_request(request_id, text, children)
+
+    def _encode_word(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (all its samples) and free its blocks at once."""

@@ -1,6 +1,6 @@
 """Vectorized sampler: per-request parameters become tensors once per step, then every row is
-processed together. Order as in vLLM: min_tokens masking, penalties, temperature, min_p,
-top-k/top-p, then an inverse-CDF draw with one uniform number per row (seeded rows draw it from
+processed together. Order as in vLLM: min_tokens and bad-words masking, penalties,
+temperature, min_p, top-k/top-p, then an inverse-CDF draw with one uniform number per row (seeded rows draw it from
 their own generator). NOTE: not the Gumbel-max `argmax(probs / Exponential(1))`: one
 exponential per vocabulary entry costs tens of ms per step on a CPU at batch 64 x 49k vocab,
 one uniform per row costs nothing. Filters run among each row's top candidates when they
@@ -49,7 +49,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # (S,)
     min_p: torch.Tensor | None  # (S, 1)
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rep, freq, pres (S, 1)
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask
+    # (rows, token ids) set to -inf: stop ids before min_tokens, bad words' next tokens
+    banned: tuple[torch.Tensor, torch.Tensor] | None
     generators: dict[int, torch.Generator]
     max_logprobs: int  # -1: none asked
 
@@ -69,6 +70,8 @@ class SamplingMetadata:
             for t in r.stop_ids
             if t < vocab
         ]
+        if any(p.bad_words_token_ids for p in ps):
+            masked += bad_word_bans(rows)
         has_pen = any(
             p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps
         )
@@ -91,7 +94,7 @@ class SamplingMetadata:
                 if has_pen
                 else None
             ),
-            min_tokens_mask=(
+            banned=(
                 (
                     torch.tensor([i for i, _ in masked], device=device),
                     torch.tensor([t for _, t in masked], device=device),
@@ -102,6 +105,19 @@ class SamplingMetadata:
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
+
+
+def bad_word_bans(rows: Sequence[SampleRequest]) -> list[tuple[int, int]]:
+    """(row, token id) pairs to ban, as vLLM: a banned sequence's last token, where the row's
+    output tokens (not its prompt) end with the rest of the sequence."""
+    bans = []
+    for i, r in enumerate(rows):
+        out = r.output_token_ids
+        for seq in r.params.bad_words_token_ids:
+            n = len(seq) - 1
+            if n == 0 or (n <= len(out) and list(out[-n:]) == seq[:-1]):
+                bans.append((i, seq[-1]))
+    return bans
 
 
 def _pad_ids(ids: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -302,10 +318,10 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: (S, V) fp32, one row per request to sample."""
         raw = logits
-        if meta.min_tokens_mask is not None or meta.penalties is not None:
+        if meta.banned is not None or meta.penalties is not None:
             logits = logits.clone()  # raw stays for the log-probabilities
-        if meta.min_tokens_mask is not None:
-            logits.index_put_(meta.min_tokens_mask, torch.tensor(float("-inf")))
+        if meta.banned is not None:
+            logits.index_put_(meta.banned, torch.tensor(float("-inf")))
         if meta.penalties is not None:
             apply_penalties(logits, rows, meta)
         tokens = argmax_rows(logits) if meta.all_greedy else self._sample(logits, meta)
