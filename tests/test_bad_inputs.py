@@ -173,7 +173,7 @@ def ids(*values: int) -> np.ndarray:
 
 
 def detokenizer_inputs(**overrides: Any) -> dict[str, Any]:
-    meta = ids(0, 1, 1, 3, 1, 0, -1, -1, 0)
+    meta = ids(0, 1, 1, 3, 1, 0, -1, -1, 0, 0)
     strings = np.array([b"", b"length", b"k"], dtype=np.object_)
     values = {
         "ids": ids(5),
@@ -208,7 +208,7 @@ DIRECT: list[tuple[str, str, dict[str, Any], str]] = [
     (
         "detokenizer huge window",
         "detokenizer",
-        detokenizer_inputs(meta=ids(100, 1, 1, 3, 1, 0, -1, -1, 0)),
+        detokenizer_inputs(meta=ids(100, 1, 1, 3, 1, 0, -1, -1, 0, 0)),
         "window_len",
     ),
     (

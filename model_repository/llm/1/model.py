@@ -28,11 +28,18 @@ from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
 from pagedllm.serving.errors import error_code  # noqa: E402
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES, int_setting, model_dir  # noqa: E402
-from pagedllm.serving.text_models import DetokenizerModel, TokenizerModel  # noqa: E402
+from pagedllm.serving.text_models import OPTIONAL, DetokenizerModel, TokenizerModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ENGINE_OUTPUTS = ["ids", "meta", "strings", "output_log_probs", "output_token_ids"]
+ENGINE_OUTPUTS = [
+    "ids",
+    "meta",
+    "strings",
+    "output_log_probs",
+    "output_token_ids",
+    *OPTIONAL,  # sent only when asked for
+]
 
 
 class TritonPythonModel:
@@ -62,7 +69,7 @@ class TritonPythonModel:
     def _generate(self, request):
         get = adapter.getter(pb_utils, request)
         ids = self.tokenizer.handle(get)["input_ids"]
-        inputs = [t for t in request.inputs() if t.name() != "stream"]
+        inputs = [t for t in request.inputs() if t.name() not in ("stream", "input_ids")]
         inputs += [
             pb_utils.Tensor("stream", np.array([False])),
             pb_utils.Tensor("input_ids", ids),

@@ -14,6 +14,7 @@ supplies the prompt text that a non-streamed output starts with.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,15 +39,61 @@ SCALAR_INPUTS = {
     "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output",
+    "top_logprobs": "logprobs",
+    # TensorRT-LLM's names for the same settings
+    "min_length": "min_tokens",
+    "random_seed": "seed",
+    "num_return_sequences": "n",
 }
-FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_log_probs", "return_timing")
+# TensorRT-LLM inputs with no SamplingParams field (see `_trtllm`)
+TRTLLM_INPUTS = (
+    "beam_width",
+    "end_id",
+    "pad_id",
+    "length_penalty",
+    "return_context_logits",
+    "return_generation_logits",
+)
+FLAG_INPUTS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_log_probs",
+    "return_timing",
+    "return_prompt_log_probs",
+)
+
+
+class Extra(enum.IntFlag):
+    """Which outputs a request's responses carry beyond pagedllm's own set (docs/serving.md,
+    the contract table); sent to the detokenizer in `meta`."""
+
+    NONE = 0
+    VLLM = 1  # a vllm_backend flag was sent: text_output + exactly the outputs they ask for
+    FINISH_REASON = 2
+    CUMULATIVE_LOGPROB = 4
+    LOGPROBS = 8  # vllm_backend's JSON log-probs
+    NUM_INPUT_TOKENS = 16
+    NUM_OUTPUT_TOKENS = 32
+
+
+# vllm_backend's optional-output flags
+VLLM_FLAGS = {
+    "return_finish_reason": Extra.FINISH_REASON,
+    "return_cumulative_logprob": Extra.CUMULATIVE_LOGPROB,
+    "return_logprobs": Extra.LOGPROBS,
+    "return_num_input_tokens": Extra.NUM_INPUT_TOKENS,
+    "return_num_output_tokens": Extra.NUM_OUTPUT_TOKENS,
+}
 ALL_INPUTS = (
     "text_input",
     "input_ids",
     "sampling_parameters",
     "stop_words",
+    "bad_words",
     *SCALAR_INPUTS,
+    *TRTLLM_INPUTS,
     *FLAG_INPUTS,
+    *VLLM_FLAGS,
 )
 
 Getter = Callable[[str], "np.ndarray | None"]
@@ -69,6 +116,10 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     # the last response carries queue_time_ms and time_to_first_token_ms
     return_timing: bool = False
+    extra: Extra = Extra.NONE
+    # the log-probs the client asked for (`params.logprobs` may be set for cumulative_logprob
+    # alone): None, or the number of top alternatives per token
+    top_logprobs: int | None = None
 
 
 def _single(name: str, array: np.ndarray) -> Any:
@@ -113,45 +164,102 @@ def _flag(name: str, value: Any) -> bool:
 
 def parse_request(get: Getter) -> GenerateRequest:
     """Read a request through `get(name)` (the input tensor as a numpy array, or None)."""
-    text = get("text_input")
-    if text is None:
+    text, ids = get("text_input"), prompt_ids(get("input_ids"))
+    if text is None and ids is None:
         raise RequestError("text_input is required")
-    prompt = _single("text_input", text)
+    prompt = "" if text is None else _single("text_input", text)
     if not isinstance(prompt, str):
         raise RequestError("text_input must be a BYTES (string) tensor")
     values: dict[str, Any] = {}
     raw_json = get("sampling_parameters")
     if raw_json is not None:
         values.update(_json_object(str(_single("sampling_parameters", raw_json))))
+    sent: dict[str, str] = {}  # field -> the tensor that set it
     for name, field in SCALAR_INPUTS.items():
         array = get(name)
-        if array is not None:
-            values[field] = _single(name, array)
-    stop_words = get("stop_words")
-    if stop_words is not None:
-        values["stop"] = [
-            _utf8("stop_words", w) if isinstance(w, bytes) else str(w)
-            for w in stop_words.reshape(-1)
-        ]
+        if array is None:
+            continue
+        value = _single(name, array)
+        if field in sent and values[field] != value:
+            raise RequestError(
+                f"{sent[field]} and {name} disagree ({values[field]!r} vs {value!r}): send one"
+            )
+        values[field], sent[field] = value, name
+    for name, key in (("stop_words", "stop"), ("bad_words", "bad_words")):
+        if (words := get(name)) is not None:
+            values[key] = [_utf8(name, w) if isinstance(w, bytes) else str(w) for w in words.flat]
     flags = {
-        name: _flag(name, _single(name, a)) for name in FLAG_INPUTS if (a := get(name)) is not None
+        name: _flag(name, _single(name, a))
+        for name in (*FLAG_INPUTS, *VLLM_FLAGS)
+        if (a := get(name)) is not None
     }
-    if flags.get("return_log_probs") and "logprobs" not in values:
+    extra = Extra.NONE
+    for name, bit in VLLM_FLAGS.items():
+        if name in flags:
+            extra |= Extra.VLLM | (bit if flags[name] else Extra.NONE)
+    _trtllm(get, values)
+    if flags.get("return_log_probs") and values.get("logprobs") is None:
         values["logprobs"] = 0  # the chosen token's log-prob
+    top_logprobs = values.get("logprobs")
+    if extra & Extra.CUMULATIVE_LOGPROB and top_logprobs is None:
+        values["logprobs"] = 0  # computed for the sum; no log-probs are shown
+    if flags.get("return_prompt_log_probs") and values.get("prompt_logprobs") is None:
+        values["prompt_logprobs"] = top_logprobs or 0
     try:
         params = SamplingParams.from_dict(values)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None
     if params.n != 1:
         raise RequestError(f"n must be 1 here (one stream per request), got {params.n}")
-    ids = get("input_ids")
-    if ids is not None and not np.issubdtype(ids.dtype, np.integer):
-        raise RequestError(f"input_ids must be integers, got {ids.dtype}")
     return GenerateRequest(
         prompt=prompt,
         params=params,
-        prompt_token_ids=None if ids is None else [int(i) for i in ids.reshape(-1)],
+        prompt_token_ids=ids,
         stream=flags.get("stream", False),
         exclude_input_in_output=flags.get("exclude_input_in_output", False),
         return_timing=flags.get("return_timing", False),
+        extra=extra,
+        top_logprobs=params.logprobs if top_logprobs is not None else None,
     )
+
+
+def prompt_ids(ids: np.ndarray | None) -> list[int] | None:
+    if ids is None:
+        return None
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(f"input_ids must be integers, got {ids.dtype}")
+    flat = [int(i) for i in ids.reshape(-1)]
+    for k, i in enumerate(flat):
+        if not 0 <= i < 2**31:
+            raise RequestError(f"input_ids[{k}] = {i} is not a token id")
+    return flat
+
+
+def _trtllm(get: Getter, values: dict[str, Any]) -> None:
+    """TensorRT-LLM's inputs that have no SamplingParams field of their own."""
+
+    def read(name: str) -> Any:
+        array = get(name)
+        return None if array is None else _single(name, array)
+
+    beam_width = read("beam_width")
+    if beam_width is not None and beam_width != 1:
+        raise RequestError(f"beam_width must be 1 (beam search is not supported), got {beam_width}")
+    for name in ("return_context_logits", "return_generation_logits"):
+        if (flag := read(name)) is not None and _flag(name, flag):
+            raise RequestError(
+                f"{name} is not supported: ask for log-probs instead (return_log_probs,"
+                " top_logprobs, return_prompt_log_probs)"
+            )
+    for name in ("end_id", "pad_id"):
+        value = read(name)
+        if value is not None and (isinstance(value, bool | float | str) or value < -1):
+            raise RequestError(f"{name} must be a token id or -1, got {value!r}")
+    end_id = read("end_id")
+    if end_id is not None and end_id >= 0:  # the one token that ends the output (-1: EOS)
+        values["ignore_eos"] = True
+        ids = values.get("stop_token_ids") or []
+        values["stop_token_ids"] = [*(ids if isinstance(ids, list) else [ids]), end_id]
+    length_penalty = read("length_penalty")  # scores beams only: nothing to do with one
+    if length_penalty is not None and not np.isfinite(float(length_penalty)):
+        raise RequestError(f"length_penalty must be a finite number, got {length_penalty!r}")

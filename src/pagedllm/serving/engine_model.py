@@ -3,26 +3,7 @@ converts tensors and calls this. Requests are parsed (`codec`), run by the `Engi
 and each output becomes a dict of numpy arrays (the response's tensors) handed to a `send`
 callback.
 
-Responses speak the window protocol to the stateless `detokenizer` model (DESIGN.md facts
-1-4), in five tensors (each tensor costs shared memory and copies on every hop, and there is
-one response per token):
-
-- `ids` = window ids + new ids: the new ids are those whose text this response adds, the
-  window up to `CONTEXT` output ids before them, so the detokenizer decodes them in context
-  (`text.detokenizer.window_text`);
-- `meta` (`META` order): the window's length, `final` (flush an unfinished character),
-  `skip_special_tokens`, and, for the client, `num_input_tokens`, `num_output_tokens`, `index`
-  (0, 1, ... per response) and, on the last response when asked, the queue time and the time
-  to first token;
-- `strings`: `text`, put first by the detokenizer — the prompt of a non-streamed output
-  (unless `exclude_input_in_output`), or, for requests with stop strings, the whole new text
-  (those are detokenized here: only the engine can stop on text, fact 4; every other request
-  is decoded by the detokenizer, off the engine thread); `finish_reason`; `request_id`, the
-  engine's id — 128 random bits, so that only the pipeline (and a direct client, for its own
-  request) knows it — which the detokenizer sends back when the client cancelled (a
-  cancelled ensemble request is not seen by this step, fact 5);
-- passed through to the client: `output_token_ids` (the ids generated in this response, the
-  stop token included) and `output_log_probs` (their log-probs, when asked).
+Responses speak the window protocol to the `detokenizer` (`engine_stream`).
 
 Probes: a request that has had no response for `PROBE_INTERVAL` (queued, or not streamed: a
 non-streamed request answers only at its end) gets a *probe* — a response with `meta.probe`
@@ -41,125 +22,22 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.faults import FaultInjection
 from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.serving.engine_stream import Fail, IsCancelled, Send, Stream
 from pagedllm.serving.errors import Code, error_code
 from pagedllm.serving.settings import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_QUEUED_REQUESTS
-from pagedllm.text.detokenizer import CONTEXT
 
 logger = logging.getLogger(__name__)
 
-Tensors = dict[str, np.ndarray]
-# the `meta` tensor's fields, in order
-META = (
-    "window_len",
-    "final",
-    "skip_special_tokens",
-    "num_input_tokens",
-    "num_output_tokens",
-    "index",
-    "queue_time_us",  # -1 unless this is the last response of a request that asked for timing
-    "time_to_first_token_us",
-    "probe",  # 1: a probe (see above), nothing to show
-)
 # seconds without a response after which a live request gets a probe
 PROBE_INTERVAL = 0.5
-# send(tensors, final) / fail(message, code): the adapter turns them into Triton responses
-Send = Callable[[Tensors, bool], None]
-Fail = Callable[[str, Code], None]
-IsCancelled = Callable[[], bool]
-
-
-def _ints(values: list[int]) -> np.ndarray:
-    return np.array(values, dtype=np.int32)
-
-
-@dataclasses.dataclass
-class _Stream:
-    """One request: how to answer it, and what it has sent so far."""
-
-    request_id: str
-    include_stop_token: bool
-    skip_special_tokens: bool
-    detokenized: bool  # stop strings: the engine's text is sent, not ids
-    prefix: str  # the prompt, first in a non-streamed output
-    send: Send
-    fail: Fail
-    is_cancelled: IsCancelled
-    return_timing: bool = False
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    responses: int = 0
-    last_sent: float = dataclasses.field(default_factory=time.monotonic)
-
-    def tensors(self, out: RequestOutput) -> Tensors:
-        completion = out.outputs[0]
-        new = list(completion.token_ids)  # DELTA: this step's; FINAL_ONLY: all
-        before = self.output_ids[-CONTEXT:]
-        self.output_ids += new
-        finish = completion.finish_reason or ""
-        if self.detokenized:
-            text, ids, window = self.prefix + completion.text, [], []
-        else:
-            text, ids, window = self.prefix, new, before
-            if finish == "stop" and not self.include_stop_token:
-                ids = ids[:-1]  # the EOS / stop token's text is not shown (as vLLM)
-        self.prefix = ""
-        logprobs = [
-            next(iter(d.values())).logprob  # the chosen token comes first
-            for d in completion.logprobs or []
-        ]
-        index, self.responses = self.responses, self.responses + 1
-        meta = [
-            len(window),
-            out.finished,
-            self.skip_special_tokens,
-            len(out.prompt_token_ids),
-            len(self.output_ids),
-            index,
-            *self._timing(out),
-            0,
-        ]
-        return self._pack(window + ids, meta, (text, finish), logprobs, new)
-
-    def probe(self) -> Tensors:
-        meta = [0, 0, self.skip_special_tokens, 0, len(self.output_ids), -1, -1, -1, 1]
-        return self._pack([], meta, ("", ""), [], [])
-
-    def _pack(
-        self,
-        ids: list[int],
-        meta: list[int],
-        strings: tuple[str, str],
-        logprobs: list[float],
-        new: list[int],
-    ) -> Tensors:
-        raw = [s.encode("utf-8") for s in (*strings, self.request_id)]
-        return {
-            "ids": _ints(ids),
-            "meta": _ints(meta),
-            "strings": np.array(raw, dtype=np.object_),
-            "output_log_probs": np.array(logprobs, dtype=np.float32),
-            "output_token_ids": _ints(new),
-        }
-
-    def _timing(self, out: RequestOutput) -> tuple[int, int]:
-        """Microseconds from arrival to first scheduled and to the first token, or -1."""
-        m = out.metrics
-        if not (self.return_timing and out.finished and m is not None):
-            return -1, -1
-
-        def us(seconds: float | None) -> int:
-            return -1 if seconds is None else min(int(seconds * 1e6), 2**31 - 1)
-
-        return us(m.queue_time), us(m.time_to_first_token)
 
 
 class EngineModel:
@@ -204,7 +82,7 @@ class EngineModel:
         # trip to the server, and the engine thread goes on with the next step meanwhile. The
         # live requests (`_live`) belong to that thread: the probes are sent from it too.
         self._outbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._live: dict[str, _Stream] = {}
+        self._live: dict[str, Stream] = {}
         self._sender = threading.Thread(target=self._send_loop, name="pagedllm-send", daemon=True)
         self._sender.start()
         self._cancel_polls = CancelPolls()
@@ -231,21 +109,27 @@ class EngineModel:
             )
             return
         detokenized = bool(req.params.stop)
+        prefix_none = req.stream or req.exclude_input_in_output
+        ids_only = not req.prompt and req.prompt_token_ids is not None
         params = dataclasses.replace(
             req.params,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
             detokenize=detokenized,
         )
-        stream = _Stream(
+        stream = Stream(
             request_id=secrets.token_hex(16),  # unguessable: the key to abort this request
             include_stop_token=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             detokenized=detokenized,
-            prefix="" if req.stream or req.exclude_input_in_output else req.prompt,
+            prefix="" if prefix_none else req.prompt,
             send=send,
             fail=fail,
             is_cancelled=is_cancelled,
             return_timing=req.return_timing,
+            extra=int(req.extra),
+            top_logprobs=req.top_logprobs,
+            prompt_top=params.prompt_logprobs or 0,
+            prompt_text=self._prompt_text(params) if ids_only and not prefix_none else None,
         )
         self._outbox.put(lambda: self._live.__setitem__(stream.request_id, stream))
 
@@ -265,6 +149,15 @@ class EngineModel:
             message = str(e) if error_code(str(e)) == "UNAVAILABLE" else f"the engine {e}"
             self._outbox.put(lambda: self._fail(stream, message, "UNAVAILABLE"))
 
+    def _prompt_text(self, params: SamplingParams) -> Callable[[list[int]], str]:
+        """A prompt sent as ids alone: its text, for a non-streamed output that starts with it."""
+        tokenizer = self.engine.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, params.skip_special_tokens)
+
+        return decode
+
     def _admit(self) -> bool:
         with self._lock:
             if self._in_flight >= self.max_in_flight:
@@ -278,7 +171,7 @@ class EngineModel:
 
     # --- on the sender thread ---------------------------------------------------------------
 
-    def _respond(self, stream: _Stream, out: RequestOutput) -> None:
+    def _respond(self, stream: Stream, out: RequestOutput) -> None:
         # direct clients of this model: a cancelled stream is seen here (never ask a sender
         # after its final response: the server does not survive it)
         if self._cancel_polls.due(stream.request_id, out.finished) and stream.is_cancelled():
@@ -290,12 +183,12 @@ class EngineModel:
         stream.last_sent = time.monotonic()
         stream.send(stream.tensors(out), out.finished)
 
-    def _fail(self, stream: _Stream, message: str, code: Code) -> None:
+    def _fail(self, stream: Stream, message: str, code: Code) -> None:
         self._cancel_polls.forget(stream.request_id)
         self._done(stream)
         stream.fail(message, code)
 
-    def _done(self, stream: _Stream) -> None:
+    def _done(self, stream: Stream) -> None:
         self._live.pop(stream.request_id, None)
         self._drained.discard(stream.request_id)
         with self._lock:

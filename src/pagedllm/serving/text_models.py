@@ -9,16 +9,34 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.serving.cancel_polls import CancelPolls
-from pagedllm.serving.codec import Getter, RequestError
-from pagedllm.serving.engine_model import META, Tensors
+from pagedllm.serving.codec import Extra, Getter, RequestError, prompt_ids
+from pagedllm.serving.engine_stream import META, Tensors
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES
+from pagedllm.serving.vllm_outputs import vllm_outputs
 from pagedllm.text.detokenizer import window_text
 from pagedllm.text.tokenizer import Tokenizer
 
-# detokenizer inputs passed through unchanged to the client, with their dtypes
-PASSTHROUGH = {"output_log_probs": np.float32, "output_token_ids": np.int32}
-# `meta` fields passed on to the client
-META_OUTPUTS = ("num_input_tokens", "num_output_tokens", "index")
+# detokenizer inputs passed through unchanged to the client, with their dtypes and ranks
+PASSTHROUGH = {"output_log_probs": (np.float32, 1), "output_token_ids": (np.int32, 1)}
+# ... and those the engine sends only when they were asked for
+OPTIONAL = {
+    "output_top_token_ids": (np.int32, 2),
+    "output_top_log_probs": (np.float32, 2),
+    "output_ranks": (np.int32, 1),
+    "cum_log_probs": (np.float32, 1),
+    "prompt_token_ids": (np.int32, 1),
+    "prompt_log_probs": (np.float32, 1),
+    "prompt_top_token_ids": (np.int32, 2),
+    "prompt_top_log_probs": (np.float32, 2),
+}
+# optional inputs with one row per output token
+TOKEN_ROWS = ("output_ranks", "output_top_token_ids", "output_top_log_probs")
+# token ids whose texts the detokenizer adds, as `<name>s` -> `<texts name>`
+TOKEN_TEXTS = {
+    "output_top_token_ids": "output_top_tokens",
+    "prompt_token_ids": "prompt_tokens",
+    "prompt_top_token_ids": "prompt_top_tokens",
+}
 
 
 def _required(get: Getter, name: str) -> np.ndarray:
@@ -26,6 +44,35 @@ def _required(get: Getter, name: str) -> np.ndarray:
     if array is None:
         raise RequestError(f"{name} is required")
     return array
+
+
+def _tensor(
+    get: Getter, name: str, dtype: type, ndim: int, required: bool = False
+) -> np.ndarray | None:
+    array = _required(get, name) if required else get(name)
+    if array is not None and (array.dtype != dtype or array.ndim != ndim):
+        raise RequestError(f"{name} must be a {ndim}-D {np.dtype(dtype).name} tensor")
+    return array
+
+
+def _check_rows(inputs: Tensors) -> None:
+    """The log-prob tensors have one row per token: a direct caller's must, too."""
+    rows = len(inputs["output_token_ids"])
+    if "output_ranks" in inputs:
+        sized = [n for n in ("output_log_probs", *TOKEN_ROWS) if n in inputs]
+    else:
+        sized = [n for n in TOKEN_ROWS if n in inputs]
+    for name in sized:
+        if len(inputs[name]) != rows:
+            raise RequestError(f"{name} must have one row per output token ({rows})")
+    for which in ("output", "prompt"):
+        ids, values = (inputs.get(f"{which}_top_{n}") for n in ("token_ids", "log_probs"))
+        if ids is not None and values is not None and ids.shape != values.shape:
+            raise RequestError(f"{which}_top_token_ids and {which}_top_log_probs differ in shape")
+
+
+def _bytes(texts: list[str]) -> np.ndarray:
+    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
 
 
 def _scalar(get: Getter, name: str) -> object:
@@ -48,6 +95,9 @@ class TokenizerModel:
         self.max_prompt_bytes = max_prompt_bytes
 
     def handle(self, get: Getter) -> Tensors:
+        ids = get("input_ids")
+        if ids is not None:  # the prompt as token ids: checked here, not tokenized
+            return {"input_ids": np.array(prompt_ids(ids), dtype=np.int32)}
         raw = _scalar(get, "text_input")
         if not isinstance(raw, bytes):
             raise RequestError("text_input must be a BYTES (string) tensor")
@@ -96,22 +146,44 @@ class DetokenizerModel:
             skip_special_tokens=bool(meta["skip_special_tokens"]),
             final=bool(meta["final"]),
         )
+        inputs: Tensors = {}
+        for name, spec in (PASSTHROUGH | OPTIONAL).items():
+            array = _tensor(get, name, *spec, required=name in PASSTHROUGH)
+            if array is not None:
+                inputs[name] = array
+        _check_rows(inputs)
+        if meta["extra"] & Extra.VLLM:
+            out = vllm_outputs(self.tokenizer, text, finish_reason, meta, inputs)
+        else:
+            out = self._outputs(text, finish_reason, meta, inputs)
+        return out, request_id if ask else None
+
+    def _outputs(
+        self, text: str, finish_reason: str, meta: dict[str, int], inputs: Tensors
+    ) -> Tensors:
+        """pagedllm's own output set, with the optional outputs the engine sent."""
         out = {
-            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-            "finish_reason": np.array([finish_reason.encode("utf-8")], dtype=np.object_),
+            "text_output": _bytes([text]),
+            "finish_reason": _bytes([finish_reason]),
+            "num_input_tokens": np.array([meta["num_input_tokens"]], dtype=np.uint32),
+            "num_output_tokens": np.array([meta["num_output_tokens"]], dtype=np.uint32),
+            "index": np.array([meta["index"]], dtype=np.int32),
         }
-        for name in META_OUTPUTS:
-            out[name] = np.array([meta[name]], dtype=np.int32)
         if meta["queue_time_us"] >= 0:  # asked for, on the last response only
             for name in ("queue_time", "time_to_first_token"):
                 ms = meta[f"{name}_us"] / 1000
                 out[f"{name}_ms"] = np.array([ms], dtype=np.float32)
-        for name, dtype in PASSTHROUGH.items():
-            array = _required(get, name)
-            if array.dtype != dtype or array.ndim != 1:
-                raise RequestError(f"{name} must be a 1-D {np.dtype(dtype).name} tensor")
-            out[name] = array
-        return out, request_id if ask else None
+        out |= {name: a for name, a in inputs.items() if name != "output_ranks"}
+        if "output_ranks" in inputs:  # log-probs were asked for: the chosen tokens' texts
+            out["output_tokens"] = self._texts(inputs["output_token_ids"])
+        for name, texts in TOKEN_TEXTS.items():
+            if name in inputs:
+                out[texts] = self._texts(inputs[name])
+        return out
+
+    def _texts(self, ids: np.ndarray) -> np.ndarray:
+        texts = [self.tokenizer.decode([int(i)], False) for i in ids.flat]
+        return _bytes(texts).reshape(ids.shape)
 
     @staticmethod
     def _strings(get: Getter) -> list[str]:
