@@ -168,12 +168,13 @@ def test_tensorrt_llm_names(server: TritonServer, llm: LLM) -> None:
     (a,) = generate(server, {**sampled, "random_seed": seed, "num_return_sequences": 1})
     (b,) = generate(server, {**sampled, "seed": seed, "length_penalty": 2.0})
     assert a["output_token_ids"].tolist() == b["output_token_ids"].tolist()
-    for bad, message in [
+    refused: list[tuple[dict[str, Any], str]] = [
         ({"beam_width": 2}, "beam_width must be 1"),
         ({"return_context_logits": True}, "return_context_logits is not supported"),
         ({"min_tokens": 2, "min_length": 3}, "min_tokens and min_length disagree"),
         ({"end_id": -2}, "end_id must be a token id or -1"),
-    ]:
+    ]
+    for bad, message in refused:
         with pytest.raises(RuntimeError, match=message):
             generate(server, {**values, "max_tokens": 4, **bad})
 
