@@ -99,7 +99,20 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
     ("top-k", CMPL, cmpl(top_k=2**31), 400, "top_k", "valid range [-1, 2147483647]"),
     ("seed", CMPL, cmpl(seed=2**64), 400, "seed", f"valid range [0, {2**63})"),
     ("n", CMPL, cmpl(n=10**30), 400, "n", "valid range [1, 16]"),
-    ("logprobs", CMPL, cmpl(logprobs=2**40), 400, "logprobs", "must be 0 here"),
+    ("logprobs", CMPL, cmpl(logprobs=2**40), 400, "logprobs", "valid range [0, 20]"),
+    ("top-logprobs", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "valid range [0, 20]"),
+    # token-id prompts: the bad id's position, the vocabulary's range (the tiny tokenizer's 368)
+    ("id-too-large", CMPL, cmpl(prompt=[[1, 2], [5, 6, 7, 99999]]), 400, "prompt[1][3]", "prompt[1][3]: 99999 is not a token id (an integer from 0 to 367)"),
+    ("id-vocab-size", CMPL, cmpl(prompt=[5, 368]), 400, "prompt[1]", "368 is not a token id"),
+    ("id-negative", CMPL, cmpl(prompt=[3, -1]), 400, "prompt[1]", "prompt[1]: -1 is not a token id"),
+    ("id-float", CMPL, cmpl(prompt=[3, 1.5]), 400, "prompt[1]", "1.5 is not a token id"),
+    ("id-bool", CMPL, cmpl(prompt=[[True]]), 400, "prompt[0][0]", "true is not a token id"),
+    ("id-string", CMPL, cmpl(prompt=[[1, "2"]]), 400, "prompt[0][1]", '"2" is not a token id'),
+    ("id-nested", CMPL, cmpl(prompt=[[[1]]]), 400, "prompt[0][0]", "[1] is not a token id"),
+    ("ids-then-id", CMPL, cmpl(prompt=[[1], 2]), 400, "prompt[1]", "must be a list of token ids"),
+    ("string-then-ids", CMPL, cmpl(prompt=["a", [1]]), 400, "prompt[1]", "must be a string"),
+    ("ids-empty", CMPL, cmpl(prompt=[[1], []]), 400, "prompt[1]", "prompt[1] must not be empty"),
+    ("prompts-empty", CMPL, cmpl(prompt=[]), 400, "prompt", "prompt must not be empty"),
 ]
 HEADERS = {"text-plain": {"Content-Type": "text/plain"}, "no-content-type": {},
            "form": {"Content-Type": "application/x-www-form-urlencoded"}}
@@ -159,11 +172,11 @@ def test_errors_in_openai_shape(client: openai.OpenAI, gateway: str) -> None:
 
     bad: list[tuple[str, dict[str, Any], str, str]] = [
         ("completions", {"temperature": 5}, "temperature", "less than or equal to 2"),
-        ("completions", {"logprobs": 2}, "logprobs", "only the chosen token's log-prob"),
+        ("completions", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
         ("completions", {"extra_body": {"foo": 1}}, "foo", "Unrecognized request argument"),
         ("completions", {"max_tokens": 100_000}, "max_tokens", "exceeds the model's context"),
-        ("completions", {"prompt": [[1, 2, 3]]}, "prompt", "token-id prompts"),
-        ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs", "chosen token"),
+        ("completions", {"prompt": [[1, 2, 99999]]}, "prompt[0][2]", "is not a token id"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal"),
         ("chat", {"n": 0}, "n", "greater than or equal to 1"),
         ("chat", {"stream": True, "max_tokens": 100_000}, "max_tokens", "context"),
     ]

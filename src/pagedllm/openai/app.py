@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
-from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, Prompt, parse_body
 from pagedllm.openai.request_body import MAX_BODY_BYTES, read_json
 from pagedllm.openai.responses import Builder, ChatBuilder, CompletionBuilder, Sample
 from pagedllm.openai.streaming import (
@@ -38,6 +38,7 @@ from pagedllm.openai.streaming import (
     sse_body,
     until_disconnect,
 )
+from pagedllm.openai.tokens import TokenTexts
 from pagedllm.openai.triton import Generation, TritonBridge, TritonError
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -61,13 +62,14 @@ class GatewayConfig:
 
 
 class Gateway:
-    """The state behind the routes: Triton bridge, tokenizer (log-prob token strings), chat
-    template, served model name."""
+    """The state behind the routes: Triton bridge, tokenizer (log-prob token strings and bytes,
+    token-id prompts), chat template, served model name."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.model_name = config.model_name
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
+        self.tokens = TokenTexts(self.tokenizer, config.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(
             config.model_dir, self.tokenizer, config.chat_template
         )
@@ -99,10 +101,14 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, CompletionRequest)
         self._check_model(body.model)
-        prompts = body.prompts()
-        samples = self._samples(body, prompts, body.max_tokens, body.logprobs is not None)
-        echo = prompts if body.echo else None
-        builder = CompletionBuilder(self.model_name, self.token_text, body, samples, echo)
+        prompts = body.prompts(self.tokens.vocab_size)
+        # with echo, log-probs cover the prompt too: vLLM asks for as many alternatives there
+        prompt_logprobs = body.logprobs if body.echo else None
+        samples = self._samples(body, prompts, body.max_tokens, body.logprobs, prompt_logprobs)
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else self.tokens.decode(p) for p in prompts]
+        builder = CompletionBuilder(self.model_name, self.tokens, body, samples, echo)
         return await self._answer(request, body, samples, builder, "prompt")
 
     async def chat_completions(self, request: Request) -> Response:
@@ -118,8 +124,9 @@ class Gateway:
             prompt = self.chat_template.render(body.template_messages())
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        samples = self._samples(body, [prompt], body.output_limit, body.logprobs)
-        builder = ChatBuilder(self.model_name, self.token_text, body, samples)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        samples = self._samples(body, [prompt], body.output_limit, top)
+        builder = ChatBuilder(self.model_name, self.tokens, body, samples)
         return await self._answer(request, body, samples, builder, "messages")
 
     # --- helpers --------------------------------------------------------------------------
@@ -137,8 +144,15 @@ class Gateway:
             )
 
     def _samples(
-        self, body: Any, prompts: list[str], max_tokens: int | None, logprobs: bool
+        self,
+        body: Any,
+        prompts: list[Prompt],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> list[Sample]:
+        """One Triton request per prompt and sample; `logprobs` / `prompt_logprobs`: the top
+        alternatives per generated / prompt token (None: no log-probs)."""
         if len(prompts) * body.n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
         samples: list[Sample] = []
@@ -147,14 +161,12 @@ class Gateway:
                 sampling = body.sampling(max_tokens)
                 if body.seed is not None:
                     sampling["seed"] = body.seed + j
-                if logprobs:
-                    sampling["logprobs"] = 0
-                generation = Generation(prompt, sampling, logprobs=logprobs)
-                samples.append(Sample(len(samples), p, generation))
+                if logprobs is not None:
+                    sampling["logprobs"] = logprobs
+                if prompt_logprobs is not None:
+                    sampling["prompt_logprobs"] = prompt_logprobs
+                samples.append(Sample(len(samples), p, Generation(prompt, sampling)))
         return samples
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _answer(
         self,

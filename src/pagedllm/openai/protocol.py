@@ -1,16 +1,19 @@
 """OpenAI's request bodies, validated with pydantic.
 
 Unknown fields are refused by name, as OpenAI does; fields that OpenAI has but the `ensemble`
-cannot honour (top alternatives in log-probs, token-id prompts, tools, ...) are refused with a
-400 naming the field rather than ignored. vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`) are accepted, as vLLM's server does
-(`extra_body` in the `openai` client). Every string that reaches Triton must be encodable as
-UTF-8 (JSON's escapes can spell a lone surrogate), every float finite, every integer within
-the engine's range (int32 counts, seeds below 2**63).
+cannot honour (`suffix`, tools, ...) are refused with a 400 naming the field rather than
+ignored. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`) are accepted, as vLLM's server does (`extra_body` in the `openai` client).
+Log-probs go up to vLLM's 20 alternatives per token (OpenAI's completions stop at 5). A
+completions `prompt` is a string, a list of strings, a list of token ids or a list of such
+lists; a bad id answers 400 naming its position (`prompt[1][3]`). Every string that reaches
+Triton must be encodable as UTF-8 (JSON's escapes can spell a lone surrogate), every float
+finite, every integer within the engine's range (int32 counts, seeds below 2**63).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -22,17 +25,11 @@ from pagedllm.openai.errors import bad_request
 MAX_N = 16
 MAX_SEED = 2**63  # the engine's seeds are in [0, 2**63)
 INT32_MAX = 2**31 - 1  # token counts and top_k travel as int32 in the engine
+# top alternatives per token in log-probs: vLLM's default max_logprobs (OpenAI's is 5)
+MAX_LOGPROBS = 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def only_chosen_logprob(value: int | None, name: str) -> None:
-    """A 400 for asking `name` > 0 top alternatives: only the chosen token's log-prob exists."""
-    if value is not None and value > 0:
-        raise bad_request(
-            f"{name} must be 0 here: only the chosen token's log-prob is available "
-            f"(no top alternatives), got {value}",
-            name,
-        )
+# a prompt: its text, or its token ids
+Prompt = str | list[int]
 
 
 def check_utf8(value: Any, param: str) -> None:
@@ -129,34 +126,61 @@ class _SamplingRequest(_Body):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # a string, a list of strings, a list of token ids or a list of such lists (`prompts`)
+    prompt: str | list[Any]
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
     def check(self) -> None:
         super().check()
         check_utf8(self.prompt, "prompt")
-        only_chosen_logprob(self.logprobs, "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs needs the prompt's log-probs: not supported", "echo"
-            )
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must equal n (no server-side ranking)", "best_of")
-        if not self.prompts():
-            raise bad_request("prompt must not be empty", "prompt")
 
-    def prompts(self) -> list[str]:
+    def prompts(self, vocab_size: int) -> list[Prompt]:
+        """The prompts, each a string or a list of token ids (in [0, vocab_size)); 400 naming
+        the position of the first bad one."""
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, str) for p in self.prompt):
-            return [str(p) for p in self.prompt]
-        raise bad_request("token-id prompts are not supported: the ensemble takes text", "prompt")
+        if not self.prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        first = self.prompt[0]
+        if isinstance(first, str):
+            for i, item in enumerate(self.prompt):
+                if not isinstance(item, str):
+                    raise bad_request(
+                        f"prompt[{i}] must be a string, as prompt[0] is", f"prompt[{i}]"
+                    )
+            return list(self.prompt)
+        if not isinstance(first, list):  # one prompt of token ids
+            return [_token_ids(self.prompt, "prompt", vocab_size)]
+        prompts: list[Prompt] = []
+        for i, item in enumerate(self.prompt):
+            if not isinstance(item, list):
+                message = f"prompt[{i}] must be a list of token ids, as prompt[0] is"
+                raise bad_request(message, f"prompt[{i}]")
+            prompts.append(_token_ids(item, f"prompt[{i}]", vocab_size))
+        return prompts
+
+
+def _token_ids(values: list[Any], param: str, vocab_size: int) -> list[int]:
+    """`values` as token ids: integers (not booleans) in [0, vocab_size)."""
+    if not values:
+        raise bad_request(f"{param} must not be empty", param)
+    for k, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+            shown = json.dumps(value, ensure_ascii=False)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise bad_request(
+                f"{param}[{k}]: {shown} is not a token id (an integer from 0 to {vocab_size - 1})",
+                f"{param}[{k}]",
+            )
+    return list(values)
 
 
 class TextPart(_Body):
@@ -191,13 +215,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def check(self) -> None:
         super().check()
         for i, message in enumerate(self.messages):
             check_utf8(message.model_dump(exclude_none=True), f"messages[{i}]")
-        only_chosen_logprob(self.top_logprobs, "top_logprobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 

@@ -1,16 +1,33 @@
 """The OpenAI response objects of one answer: each choice's accumulated output (`Sample`) and
-the builders of the completions and chat endpoints' chunks and final bodies."""
+the builders of the completions and chat endpoints' chunks and final bodies.
+
+Log-probs are shaped as vLLM's server shapes them. Completions: `tokens`, `token_logprobs`,
+`top_logprobs` (per token a dict of token string -> log-prob: the chosen token, then the N best
+ones; a string that two ids share keeps the later value) and `text_offset` (the token strings'
+lengths added up); with `echo`, the prompt's tokens come first, the first one with `null`
+log-prob and top. Chat: per token `{token, logprob, bytes, top_logprobs}`, `top_logprobs` the N
+best `{token, logprob, bytes}`, best first (OpenAI's meaning). A log-prob of -inf is shown as
+-9999.0, as OpenAI and vLLM do.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.openai.triton import Chunk, Generation
+from pagedllm.openai.tokens import TokenTexts
+from pagedllm.openai.triton import Chunk, Generation, TokenLogprob, TritonError
+
+# what a log-prob of -inf is shown as (JSON has no infinity)
+MIN_LOGPROB = -9999.0
+
+
+def shown(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 @dataclass
@@ -22,16 +39,20 @@ class Sample:
     generation: Generation
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
-    offset: int = 0  # text length streamed so far (completions' text_offset)
+    offset: int = 0  # length of the token strings shown so far (completions' text_offset)
+    echoed: bool = False  # the prompt went out (a streamed echo)
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
         self.token_ids += chunk.token_ids
-        self.log_probs += chunk.log_probs
+        self.logprobs += chunk.logprobs
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.finish_reason = chunk.finish_reason or None
         self.num_input_tokens = chunk.num_input_tokens
         self.num_output_tokens = chunk.num_output_tokens
@@ -53,15 +74,10 @@ class Builder:
     """The response objects of one endpoint."""
 
     def __init__(
-        self,
-        model_name: str,
-        token_text: Callable[[int], str],
-        body: Any,
-        samples: list[Sample],
-        prefix: str,
+        self, model_name: str, tokens: TokenTexts, body: Any, samples: list[Sample], prefix: str
     ) -> None:
         self.model_name = model_name
-        self.token_text = token_text  # a token id's string, for log-probs
+        self.tokens = tokens  # token strings and bytes, for log-probs
         self.body = body
         self.samples = samples
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -110,54 +126,75 @@ class CompletionBuilder(Builder):
     def __init__(
         self,
         model_name: str,
-        token_text: Callable[[int], str],
+        tokens: TokenTexts,
         body: CompletionRequest,
         samples: list[Sample],
         echo: list[str] | None,
     ) -> None:
-        super().__init__(model_name, token_text, body, samples, "cmpl")
-        self.echo = echo
+        super().__init__(model_name, tokens, body, samples, "cmpl")
+        self.echo = echo  # each prompt's text, when echoed
         self.logprobs = body.logprobs is not None
 
-    def _logprobs(self, sample: Sample, ids: list[int], lps: list[float]) -> dict[str, Any]:
-        tokens = [self.token_text(i) for i in ids]
-        offsets = []
-        for token in tokens:
+    def _logprobs(self, sample: Sample, entries: list[TokenLogprob]) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for entry in entries:
+            token = self.tokens.text(entry.token_id)
+            tokens.append(token)
             offsets.append(sample.offset)
             sample.offset += len(token)
+            if entry.logprob is None:  # a prompt's first token
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(shown(entry.logprob))
+            # vLLM: the chosen token, then the N best (each id once), keyed by string
+            top = {token: shown(entry.logprob)}
+            for token_id, logprob in entry.top:
+                if token_id != entry.token_id:
+                    top[self.tokens.text(token_id)] = shown(logprob)
+            top_logprobs.append(top)
         return {
             "tokens": tokens,
-            "token_logprobs": lps,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)],
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
 
-    def start(self) -> list[dict[str, Any]]:
-        if self.echo is None:
-            return []
-        return [self._chunk(s.index, {"text": self.echo[s.prompt_index]}) for s in self.samples]
+    def _prompt_logprobs(self, sample: Sample) -> list[TokenLogprob]:
+        if sample.prompt_logprobs is None:
+            raise TritonError(502, "Triton's response carries no prompt log-probs (for echo)")
+        return sample.prompt_logprobs
 
     def chunk(self, sample: Sample, chunk: Chunk) -> dict[str, Any] | None:
-        if not (chunk.text or chunk.finish_reason or (self.logprobs and chunk.token_ids)):
+        # an echoed prompt goes out with the sample's first response, as vLLM sends it
+        echo = None if self.echo is None or sample.echoed else self.echo[sample.prompt_index]
+        text, entries = chunk.text, chunk.logprobs
+        if echo is not None:
+            sample.echoed = True
+            text = echo + text
+            if self.logprobs:
+                entries = self._prompt_logprobs(sample) + entries
+        if not (echo is not None or text or chunk.finish_reason or (self.logprobs and entries)):
             return None
-        logprobs = None
-        if self.logprobs:
-            logprobs = self._logprobs(sample, chunk.token_ids, chunk.log_probs)
-        content = {"text": chunk.text}
-        return self._chunk(sample.index, content, logprobs, chunk.finish_reason or None)
+        logprobs = self._logprobs(sample, entries) if self.logprobs else None
+        return self._chunk(sample.index, {"text": text}, logprobs, chunk.finish_reason or None)
 
     def final(self) -> dict[str, Any]:
         choices = []
         for s in self.samples:
-            text = "".join(s.text)
+            text, entries = "".join(s.text), s.logprobs
             if self.echo is not None:
                 text = self.echo[s.prompt_index] + text
-            logprobs = self._logprobs(s, s.token_ids, s.log_probs) if self.logprobs else None
+                if self.logprobs:
+                    entries = self._prompt_logprobs(s) + entries
             choices.append(
                 {
                     "index": s.index,
                     "text": text,
-                    "logprobs": logprobs,
+                    "logprobs": self._logprobs(s, entries) if self.logprobs else None,
                     "finish_reason": s.finish_reason,
                 }
             )
@@ -170,20 +207,26 @@ class ChatBuilder(Builder):
     def __init__(
         self,
         model_name: str,
-        token_text: Callable[[int], str],
+        tokens: TokenTexts,
         body: ChatCompletionRequest,
         samples: list[Sample],
     ) -> None:
-        super().__init__(model_name, token_text, body, samples, "chatcmpl")
+        super().__init__(model_name, tokens, body, samples, "chatcmpl")
         self.logprobs = body.logprobs
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any]:
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": self.tokens.text(token_id),
+            "logprob": shown(logprob),
+            "bytes": self.tokens.raw_bytes(token_id),
+        }
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         content = []
-        for token_id, lp in zip(ids, lps, strict=True):
-            token = self.token_text(token_id)
-            content.append(
-                {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []}
-            )
+        for entry in entries:
+            assert entry.logprob is not None  # generated tokens all have one
+            top = [self._token(token_id, logprob) for token_id, logprob in entry.top]
+            content.append({**self._token(entry.token_id, entry.logprob), "top_logprobs": top})
         return {"content": content}
 
     def start(self) -> list[dict[str, Any]]:
@@ -191,10 +234,10 @@ class ChatBuilder(Builder):
         return [self._chunk(s.index, first) for s in self.samples]
 
     def chunk(self, sample: Sample, chunk: Chunk) -> dict[str, Any] | None:
-        if not (chunk.text or chunk.finish_reason or (self.logprobs and chunk.token_ids)):
+        if not (chunk.text or chunk.finish_reason or (self.logprobs and chunk.logprobs)):
             return None
         delta = {"delta": {"content": chunk.text} if chunk.text else {}}
-        logprobs = self._logprobs(chunk.token_ids, chunk.log_probs) if self.logprobs else None
+        logprobs = self._logprobs(chunk.logprobs) if self.logprobs else None
         return self._chunk(sample.index, delta, logprobs, chunk.finish_reason or None)
 
     def final(self) -> dict[str, Any]:
@@ -202,7 +245,7 @@ class ChatBuilder(Builder):
             {
                 "index": s.index,
                 "message": {"role": "assistant", "content": "".join(s.text)},
-                "logprobs": self._logprobs(s.token_ids, s.log_probs) if self.logprobs else None,
+                "logprobs": self._logprobs(s.logprobs) if self.logprobs else None,
                 "finish_reason": s.finish_reason,
             }
             for s in self.samples

@@ -48,21 +48,38 @@ class TritonError(Exception):
 
 @dataclass(frozen=True)
 class Generation:
-    """One Triton request: prompt text and vLLM-named sampling parameters."""
+    """One Triton request: the prompt (text, or token ids sent as `input_ids`) and vLLM-named
+    sampling parameters (`logprobs: N` and `prompt_logprobs: N` ask for log-probs with N top
+    alternatives per token)."""
 
-    prompt: str
+    prompt: str | list[int]
     sampling: dict[str, Any]
-    logprobs: bool = False
+
+    @property
+    def logprobs(self) -> bool:
+        return self.sampling.get("logprobs") is not None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probs: its token, the token's log-prob (None for a prompt's first
+    token, which nothing predicts) and the N most likely tokens there, best first."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
 class Chunk:
-    """One streamed response: the new text, the ids it adds and
-    their log-probs, `finish_reason` ("" until the last) and cumulative token counts."""
+    """One streamed response: the new text, the ids it adds and their log-probs (when asked),
+    the prompt's log-probs (first response only, when asked), `finish_reason` ("" until the
+    last) and cumulative token counts."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str = ""
     num_input_tokens: int = 0
     num_output_tokens: int = 0
@@ -91,14 +108,43 @@ def make_inputs(generation: Generation) -> list[grpcclient.InferInput]:
         sampling = json.dumps(generation.sampling, ensure_ascii=False, allow_nan=False)
     except ValueError:
         raise TritonError(400, "sampling parameters must be finite numbers") from None
+    if isinstance(generation.prompt, str):
+        prompt = _tensor("text_input", "BYTES", text("the prompt", generation.prompt))
+    else:
+        prompt = _tensor("input_ids", "INT32", np.array(generation.prompt, dtype=np.int32))
     return [
-        _tensor("text_input", "BYTES", text("the prompt", generation.prompt)),
+        prompt,
         _tensor(
             "sampling_parameters", "BYTES", text("sampling_parameters (a stop string)", sampling)
         ),
         _tensor("stream", "BOOL", flag(True)),
         _tensor("exclude_input_in_output", "BOOL", flag(True)),
         _tensor("return_log_probs", "BOOL", flag(generation.logprobs)),
+    ]
+
+
+def token_logprobs(
+    ids: np.ndarray, chosen: np.ndarray, top_ids: np.ndarray | None, top: np.ndarray | None
+) -> list[TokenLogprob]:
+    """Positions from Triton's tensors: ids and chosen log-probs (T,), top ids and log-probs
+    (T, N) or absent (N = 0). TritonError 502 when their shapes disagree."""
+    rows = len(ids)
+    if top_ids is None or top is None or top_ids.size == top.size == 0:
+        top_ids = top = np.zeros((rows, 0))
+    if len(chosen) != rows or top_ids.shape != top.shape or top_ids.size % max(rows, 1):
+        shapes = f"{ids.shape}, {chosen.shape}, {top_ids.shape}, {top.shape}"
+        logger.error("log-prob tensors of mismatched shapes from Triton: %s", shapes)
+        raise TritonError(502, "Triton's log-prob outputs disagree in length")
+    if rows == 0:
+        return []
+    top_ids, top = top_ids.reshape(rows, -1), top.reshape(rows, -1)
+    return [
+        TokenLogprob(
+            int(ids[t]),
+            float(chosen[t]),
+            tuple((int(i), float(v)) for i, v in zip(top_ids[t], top[t], strict=True)),
+        )
+        for t in range(rows)
     ]
 
 
@@ -112,10 +158,23 @@ def to_chunk(result: Any) -> Chunk:
         return value[0] if value.size else default
 
     text, reason = scalar("text_output", b""), scalar("finish_reason", b"")
+    ids, chosen = array("output_token_ids"), array("output_log_probs")
+    logprobs = []
+    if chosen.size:  # asked for: (T,) chosen, (T, N) top
+        top_ids, top = map(result.as_numpy, ("output_top_token_ids", "output_top_log_probs"))
+        logprobs = token_logprobs(ids, chosen, top_ids, top)
+    prompt_logprobs = None
+    prompt_ids = array("prompt_token_ids")
+    if prompt_ids.size:  # the first response, when asked: (L,) ids, (L-1,) and (L-1, N)
+        top_ids, top = map(result.as_numpy, ("prompt_top_token_ids", "prompt_top_log_probs"))
+        rest = token_logprobs(prompt_ids[1:], array("prompt_log_probs"), top_ids, top)
+        # the first token has no log-prob: nothing predicts it
+        prompt_logprobs = [TokenLogprob(int(prompt_ids[0]), None), *rest]
     return Chunk(
         text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
-        token_ids=[int(i) for i in array("output_token_ids")],
-        log_probs=[float(x) for x in array("output_log_probs")],
+        token_ids=[int(i) for i in ids],
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
         num_input_tokens=int(scalar("num_input_tokens", 0)),
         num_output_tokens=int(scalar("num_output_tokens", 0)),
