@@ -40,7 +40,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("unknown key", {"sampling_parameters": '{"tempreture": 1}'}, "unknown sampling parameters"),
     ("deep JSON", {"sampling_parameters": "[" * 10_000}, "nested too deeply"),
     ("NaN temperature", {"sampling_parameters": '{"temperature": "NaN"}'}, "finite number"),
-    ("n over 1", {"sampling_parameters": '{"n": 2}'}, "n must be 1"),
+    ("n over 64", {"sampling_parameters": '{"n": 65}'}, "n must be at most 64"),
     ("too many logprobs", {"sampling_parameters": '{"logprobs": 100}'}, "logprobs must be at"),
     ("bad seed", {"sampling_parameters": '{"seed": "abc"}'}, "seed must be an integer"),
     ("bad bool", {"sampling_parameters": '{"ignore_eos": "maybe"}'}, "must be a boolean"),
@@ -173,7 +173,7 @@ def ids(*values: int) -> np.ndarray:
 
 
 def detokenizer_inputs(**overrides: Any) -> dict[str, Any]:
-    meta = ids(0, 1, 1, 3, 1, 0, -1, -1, 0, 0)
+    meta = ids(0, 1, 1, 3, 1, 0, -1, -1, 0, 0, -1)
     strings = np.array([b"", b"length", b"k"], dtype=np.object_)
     values = {
         "ids": ids(5),
@@ -208,7 +208,7 @@ DIRECT: list[tuple[str, str, dict[str, Any], str]] = [
     (
         "detokenizer huge window",
         "detokenizer",
-        detokenizer_inputs(meta=ids(100, 1, 1, 3, 1, 0, -1, -1, 0, 0)),
+        detokenizer_inputs(meta=ids(100, 1, 1, 3, 1, 0, -1, -1, 0, 0, -1)),
         "window_len",
     ),
     (

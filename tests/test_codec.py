@@ -123,9 +123,11 @@ def test_input_ids_from_the_tokenizer_model_are_the_prompt() -> None:
         parse_request(tensors(text_input="Hi", input_ids=np.array([[0.5]], dtype=np.float32)))
 
 
-def test_n_above_one_is_refused_with_the_reason() -> None:
-    with pytest.raises(RequestError, match="n must be 1 here"):
-        parse_request(tensors(text_input="Hi", sampling_parameters='{"n": 2}'))
+def test_n_sequences_up_to_a_cap() -> None:
+    assert parse_request(tensors(text_input="Hi", sampling_parameters='{"n": 3}')).params.n == 3
+    assert parse_request(tensors(text_input="Hi", num_return_sequences=2)).params.n == 2
+    with pytest.raises(RequestError, match="n must be at most 64, got 65"):
+        parse_request(tensors(text_input="Hi", sampling_parameters='{"n": 65}'))
 
 
 def test_return_timing_flag() -> None:

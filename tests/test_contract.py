@@ -212,3 +212,40 @@ def test_vllm_backend_optional_outputs(server: TritonServer, llm: LLM) -> None:
     assert plain.keys() == {"text_output"}
     (only,) = generate(server, {"text_input": PROMPT, "return_logprobs": True})
     assert only.keys() == {"text_output", "logprobs"} and only["logprobs"][0] == b"null"
+
+
+def test_n_sequences_through_the_ensemble(server: TritonServer, llm: LLM) -> None:
+    import server_metrics
+
+    sampled = {"temperature": 1.0, "seed": 5, "max_tokens": 6, "n": 3, "ignore_eos": True}
+    expected = llm.generate(PROMPT, SamplingParams(**sampled), use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in expected}) > 1  # different samples
+    values = {"text_input": PROMPT, "sampling_parameters": json.dumps(sampled)}
+    before = server_metrics.metrics(server.metrics_url).get("vllm:request_params_n_sum", 0)
+    # not streamed: one response, one element per sequence
+    (response,) = generate(server, values)
+    assert [t.decode() for t in response["text_output"]] == [PROMPT + c.text for c in expected]
+    assert response["output_token_ids"].tolist() == [t for c in expected for t in c.token_ids]
+    assert response["sequence_lengths"].tolist() == response["num_output_tokens"].tolist()
+    assert response["num_output_tokens"].tolist() == [6, 6, 6]
+    assert [f.decode() for f in response["finish_reason"]] == ["length"] * 3
+    # streamed: each response is about one sequence
+    responses = generate(server, {**values, "stream": True})
+    for c in expected:
+        mine = [r for r in responses if r["sequence_index"].tolist() == [c.index]]
+        assert "".join(r["text_output"][0].decode() for r in mine) == c.text
+        assert mine[-1]["finish_reason"][0] == b"length"
+    # num_return_sequences is n, and vllm_backend's outputs have one element per sequence
+    trt = {"text_input": PROMPT, "max_tokens": 6, "temperature": 1.0, "num_return_sequences": 3}
+    seed = {"random_seed": np.array([5], dtype=np.uint64), "ignore_eos": True}
+    (same,) = generate(server, {**trt, **seed})
+    assert same["text_output"].tolist() == response["text_output"].tolist()
+    flags = dict.fromkeys(VLLM_FLAGS, True)
+    logprobs = json.dumps({**sampled, "logprobs": 1})
+    (vllm,) = generate(server, {**values, "sampling_parameters": logprobs, **flags})
+    assert vllm["finish_reason"].tolist() == [b"length"] * 3
+    assert vllm["num_output_tokens"].tolist() == [6, 6, 6]
+    assert [len(json.loads(j)) for j in vllm["logprobs"]] == [6, 6, 6]
+    assert len(vllm["cumulative_logprob"]) == 3
+    after = server_metrics.metrics(server.metrics_url)["vllm:request_params_n_sum"]
+    assert after - before == 3 * 4  # n observed once per request (4 requests with n = 3)

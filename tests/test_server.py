@@ -327,6 +327,7 @@ def test_cancelling_a_stream_frees_its_blocks_within_a_second(
     m = metrics(server)
     assert m.get("vllm:request_success_total{finished_reason=abort}") == aborted + 1, m
     assert len(stream.responses) < 480
+    assert "cancelled by its client" in server.log_path.read_text()  # logged, as vllm_backend
     # the server is healthy and serves the next request exactly
     status, text = post(
         f"{server.http_url}/v2/models/ensemble/generate", body(exclude_input_in_output=True)

@@ -97,19 +97,11 @@ class _Metrics:
 
 
 def _stopping(drain_file):
-    """When to drain: `drain_file` exists (`pagedllm serve` creates it before it stops the
-    server; a Kubernetes preStop hook can too), or this model is being unloaded (then it is
-    no longer ready; a stopping server answers "Server not ready")."""
-
-    def stopping():
-        if drain_file and os.path.exists(drain_file):
-            return True
-        try:
-            return not pb_utils.is_model_ready("llm_engine")
-        except Exception as e:
-            return "not ready" in str(e)
-
-    return stopping
+    """When to drain: once `drain_file` exists (`pagedllm serve` creates it before it stops
+    the server; docker/serve.sh and a Kubernetes preStop hook can too). An unload drains in
+    `finalize`. NOTE: not `pb_utils.is_model_ready` from the sender thread: that IPC, beside
+    the main thread's, can crash tritonserver 2.51 (boost lock_exception in the backend)."""
+    return lambda: bool(drain_file) and os.path.exists(drain_file)
 
 
 def _stop_server(reason):
@@ -123,6 +115,9 @@ def _stop_server(reason):
 
 class TritonPythonModel:
     def initialize(self, args):
+        # our INFO lines (a cancelled request, as vllm_backend logs it) reach the server log
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        logging.getLogger("pagedllm").setLevel(logging.INFO)
         params = adapter.parameters(args)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         metrics = to_bool("metrics", setting(params, "metrics", "true"))
@@ -170,4 +165,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.model.drain()  # unloaded: those in flight get drain_timeout_s, then are aborted
         self.model.shutdown()

@@ -247,9 +247,17 @@ class LLMEngine:
         raise EngineDeadError(self.dead_reason or "the engine is poisoned")
 
     def _record_finished(self, now: float) -> None:
+        counted: set[str] = set()  # requests whose n samples have all finished
         for request in self.scheduler.just_finished:
             if self.metrics is not None:
-                self.metrics.request_finished(request, now)
+                n = request.sampling_params.n
+                parent = request.request_id.rsplit("#", 1)[0] if n > 1 else request.request_id
+                siblings = [f"{parent}#{i}" for i in range(n)] if n > 1 else []
+                last = parent not in counted and not any(
+                    s in self.scheduler.requests for s in siblings
+                )
+                counted.add(parent)
+                self.metrics.request_finished(request, now, last)
             if self.tracer is not None:
                 self.tracer.event(
                     "finished",

@@ -21,6 +21,7 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "vllm:request_queue_time_seconds": ("Arrival to first scheduled.", _LONG),
     "vllm:request_prompt_tokens": ("Prompt tokens per request.", _TOKENS),
     "vllm:request_generation_tokens": ("Generated tokens per request.", _TOKENS),
+    "vllm:request_params_n": ("Histogram of the n request parameter.", (1, 2, 5, 10, 20)),
 }
 
 
@@ -47,13 +48,17 @@ class EngineMetrics:
             gap = now - r.last_token_time
             self._observations.append(("vllm:time_per_output_token_seconds", gap))
 
-    def request_finished(self, r: Request, now: float) -> None:
+    def request_finished(self, r: Request, now: float, last_sample: bool = True) -> None:
+        """One sequence finished (`last_sample`: the last of its request's n, as vLLM
+        observes `n` once per request)."""
         self.finished[r.status.finish_reason or ""] += 1
         self._observations += [
             ("vllm:e2e_request_latency_seconds", now - r.arrival_time),
             ("vllm:request_prompt_tokens", r.num_prompt_tokens),
             ("vllm:request_generation_tokens", r.num_output_tokens),
         ]
+        if last_sample:
+            self._observations.append(("vllm:request_params_n", r.sampling_params.n))
 
     def drain(self) -> list[tuple[str, float]]:
         """The histogram observations since the previous call."""

@@ -97,6 +97,8 @@ ALL_INPUTS = (
 )
 
 Getter = Callable[[str], "np.ndarray | None"]
+# sequences per request (n, num_return_sequences)
+MAX_N = 64
 # sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
 MAX_JSON_CHARS = 1 << 18
 
@@ -209,8 +211,8 @@ def parse_request(get: Getter) -> GenerateRequest:
         params = SamplingParams.from_dict(values)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None
-    if params.n != 1:
-        raise RequestError(f"n must be 1 here (one stream per request), got {params.n}")
+    if params.n > MAX_N:
+        raise RequestError(f"n must be at most {MAX_N}, got {params.n}")
     return GenerateRequest(
         prompt=prompt,
         params=params,

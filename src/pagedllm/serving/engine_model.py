@@ -108,7 +108,7 @@ class EngineModel:
                 "UNAVAILABLE",
             )
             return
-        detokenized = bool(req.params.stop)
+        detokenized = bool(req.params.stop) or req.params.n > 1
         prefix_none = req.stream or req.exclude_input_in_output
         ids_only = not req.prompt and req.prompt_token_ids is not None
         params = dataclasses.replace(
@@ -121,6 +121,8 @@ class EngineModel:
             include_stop_token=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             detokenized=detokenized,
+            streamed=req.stream,
+            n=req.params.n,
             prefix="" if prefix_none else req.prompt,
             send=send,
             fail=fail,
@@ -176,12 +178,14 @@ class EngineModel:
         # after its final response: the server does not survive it)
         if self._cancel_polls.due(stream.request_id, out.finished) and stream.is_cancelled():
             self._cancel_polls.forget(stream.request_id)
-            self.service.abort(stream.request_id)  # its final (abort) output follows
+            self.cancelled(stream.request_id)  # its final (abort) output follows
             return
         if out.finished:
             self._done(stream)
         stream.last_sent = time.monotonic()
-        stream.send(stream.tensors(out), out.finished)
+        responses = stream.responses_for(out)
+        for k, tensors in enumerate(responses):
+            stream.send(tensors, out.finished and k == len(responses) - 1)
 
     def _fail(self, stream: Stream, message: str, code: Code) -> None:
         self._cancel_polls.forget(stream.request_id)
@@ -202,7 +206,7 @@ class EngineModel:
             stream.last_sent = now
             try:
                 if stream.is_cancelled():  # a direct client left
-                    self.service.abort(stream.request_id)
+                    self.cancelled(stream.request_id)
                 else:
                     stream.send(stream.probe(), False)
             except Exception:  # this request's trouble: the others are still probed
@@ -245,9 +249,23 @@ class EngineModel:
                 except Exception:  # never the end of this thread
                     logger.exception("probing failed")
 
-    def abort(self, request_id: str) -> None:
-        """A client of the ensemble cancelled (reported by the detokenizer)."""
+    def cancelled(self, request_id: str) -> None:
+        """A client cancelled (a direct one, or the ensemble's: reported by the detokenizer);
+        logged as vllm_backend does."""
+        logger.info("request %s: cancelled by its client, aborting it", request_id[:8])
         self.service.abort(request_id)
+
+    abort = cancelled
+
+    def drain(self) -> None:
+        """Refuse new requests; give those in flight `drain_timeout` seconds to finish, then
+        abort them (the sender thread does, `_check_health`); return once none is left."""
+        if self._drain_deadline is None:
+            logger.warning("unloading: draining %d requests", self._in_flight)
+            self._drain_deadline = time.monotonic() + self.drain_timeout
+        give_up = self._drain_deadline + 10
+        while self._in_flight and time.monotonic() < give_up:
+            time.sleep(0.02)
 
     def shutdown(self) -> None:
         self.service.shutdown(drain=False, timeout=30)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pagedllm.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.serving.errors import Code
 from pagedllm.text.detokenizer import CONTEXT
 
@@ -50,6 +50,7 @@ META = (
     "time_to_first_token_us",
     "probe",  # 1: a probe (see above), nothing to show
     "extra",  # `codec.Extra`: which outputs the client gets beyond pagedllm's own
+    "sequence_index",  # n > 1, streamed: the sequence this response is about; else -1
 )
 # send(tensors, final) / fail(message, code): the adapter turns them into Triton responses
 Send = Callable[[Tensors, bool], None]
@@ -94,7 +95,8 @@ class Stream:
     request_id: str
     include_stop_token: bool
     skip_special_tokens: bool
-    detokenized: bool  # stop strings: the engine's text is sent, not ids
+    detokenized: bool  # stop strings, n > 1: the engine's text is sent, not ids
+    streamed: bool
     prefix: str  # the prompt, first in a non-streamed output
     send: Send
     fail: Fail
@@ -104,9 +106,47 @@ class Stream:
     top_logprobs: int | None = None  # the log-probs asked for: the alternatives per token
     prompt_top: int = 0  # the alternatives per prompt token, when prompt log-probs are asked
     prompt_text: Callable[[list[int]], str] | None = None  # the prefix of an ids-only prompt
+    n: int = 1  # sequences per request (n > 1: detokenized here)
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    counts: dict[int, int] = dataclasses.field(default_factory=dict)  # n > 1: tokens so far
     responses: int = 0
     last_sent: float = dataclasses.field(default_factory=time.monotonic)
+
+    def responses_for(self, out: RequestOutput) -> list[Tensors]:
+        """The engine responses for one engine output: one, or for n > 1 streamed (DELTA
+        outputs hold the sequences that changed) one per sequence, tagged with its index."""
+        if self.n == 1:
+            return [self.tensors(out)]
+        if len(out.outputs) == 1 or self.streamed:
+            return [self._sequences(out, [c], c.index) for c in out.outputs]
+        return [self._sequences(out, out.outputs, -1)]
+
+    def _sequences(self, out: RequestOutput, seqs: list[CompletionOutput], index: int) -> Tensors:
+        """n > 1: the sequences' texts (decoded by the engine) and tokens one after another;
+        `sequence_lengths` says how many tokens each has."""
+        texts = [self.prefix + c.text for c in seqs]
+        self.prefix = "" if self.streamed else self.prefix
+        entries = [e for c in seqs for e in c.logprobs or []]
+        logprobs = [next(iter(d.values())).logprob for d in entries]
+        extras = self._logprob_tensors(entries, None)
+        totals = [c.cumulative_logprob for c in seqs if c.cumulative_logprob is not None]
+        if totals:
+            extras["cum_log_probs"] = np.array(totals, dtype=np.float32)
+        if out.prompt_logprobs is not None:
+            extras |= _prompt_tensors(out.prompt_token_ids, out.prompt_logprobs, self.prompt_top)
+        extras["sequence_lengths"] = _ints([len(c.token_ids) for c in seqs])
+        for c in seqs:
+            self.counts[c.index] = self.counts.get(c.index, 0) + len(c.token_ids)
+        strings = [s for c, t in zip(seqs, texts, strict=True) for s in (t, c.finish_reason or "")]
+        new = [t for c in seqs for t in c.token_ids]
+        meta = self._meta(out, 0, sum(self.counts[c.index] for c in seqs), index)
+        return self._pack([], meta, strings, logprobs, new) | extras
+
+    def _meta(self, out: RequestOutput, window: int, count: int, sequence: int) -> list[int]:
+        index, self.responses = self.responses, self.responses + 1
+        timing = self._timing(out)
+        meta = [window, out.finished, self.skip_special_tokens, len(out.prompt_token_ids)]
+        return [*meta, count, index, *timing, 0, self.extra, sequence]
 
     def tensors(self, out: RequestOutput) -> Tensors:
         completion = out.outputs[0]
@@ -128,19 +168,8 @@ class Stream:
         extras = self._logprob_tensors(entries, completion.cumulative_logprob)
         if out.prompt_logprobs is not None:
             extras |= _prompt_tensors(out.prompt_token_ids, out.prompt_logprobs, self.prompt_top)
-        index, self.responses = self.responses, self.responses + 1
-        meta = [
-            len(window),
-            out.finished,
-            self.skip_special_tokens,
-            len(out.prompt_token_ids),
-            len(self.output_ids),
-            index,
-            *self._timing(out),
-            0,
-            self.extra,
-        ]
-        return self._pack(window + ids, meta, (text, finish), logprobs, new) | extras
+        meta = self._meta(out, len(window), len(self.output_ids), -1)
+        return self._pack(window + ids, meta, [text, finish], logprobs, new) | extras
 
     def _logprob_tensors(self, entries: SampleLogprobs, cumulative: float | None) -> Tensors:
         """The optional log-prob outputs: top alternatives, the chosen tokens' ranks and the
@@ -157,18 +186,19 @@ class Stream:
         return out
 
     def probe(self) -> Tensors:
-        meta = [0, 0, self.skip_special_tokens, 0, len(self.output_ids), -1, -1, -1, 1, 0]
-        return self._pack([], meta, ("", ""), [], [])
+        meta = [0, 0, self.skip_special_tokens, 0, len(self.output_ids), -1, -1, -1, 1, 0, -1]
+        return self._pack([], meta, ["", ""], [], [])
 
     def _pack(
         self,
         ids: list[int],
         meta: list[int],
-        strings: tuple[str, str],
+        strings: list[str],
         logprobs: list[float],
         new: list[int],
     ) -> Tensors:
-        raw = [s.encode("utf-8") for s in (*strings, self.request_id)]
+        """`strings`: text, finish_reason (per sequence, n > 1); request_id goes third."""
+        raw = [s.encode("utf-8") for s in (*strings[:2], self.request_id, *strings[2:])]
         return {
             "ids": _ints(ids),
             "meta": _ints(meta),

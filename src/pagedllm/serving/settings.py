@@ -14,7 +14,7 @@ DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 # requests accepted beyond the `max_num_seqs` that run at once; past it: refused at once
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 # seconds requests in flight get to finish when the server stops or unloads the engine
-# (under the server's --exit-timeout-secs: 30 by default, 10 under `pagedllm serve`)
+# (under the server's --exit-timeout-secs: 30 by default and under `pagedllm serve`)
 DEFAULT_DRAIN_TIMEOUT = 5.0
 
 

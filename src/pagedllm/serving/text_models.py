@@ -28,6 +28,7 @@ OPTIONAL = {
     "prompt_log_probs": (np.float32, 1),
     "prompt_top_token_ids": (np.int32, 2),
     "prompt_top_log_probs": (np.float32, 2),
+    "sequence_lengths": (np.int32, 1),
 }
 # optional inputs with one row per output token
 TOKEN_ROWS = ("output_ranks", "output_top_token_ids", "output_top_log_probs")
@@ -55,9 +56,13 @@ def _tensor(
     return array
 
 
-def _check_rows(inputs: Tensors) -> None:
-    """The log-prob tensors have one row per token: a direct caller's must, too."""
+def _check_rows(inputs: Tensors, sequences: int) -> None:
+    """The log-prob tensors have one row per token, and several sequences say how many tokens
+    each has: a direct caller's must, too."""
     rows = len(inputs["output_token_ids"])
+    lengths = inputs.get("sequence_lengths")
+    if sequences > 1 and (lengths is None or len(lengths) != sequences or sum(lengths) != rows):
+        raise RequestError(f"sequence_lengths must hold {sequences} lengths adding up to {rows}")
     if "output_ranks" in inputs:
         sized = [n for n in ("output_log_probs", *TOKEN_ROWS) if n in inputs]
     else:
@@ -129,7 +134,7 @@ class DetokenizerModel:
         if len(values) != len(META):
             raise RequestError(f"meta must hold {len(META)} values, got {len(values)}")
         meta = dict(zip(META, values, strict=True))
-        text, finish_reason, request_id = self._strings(get)
+        texts, finishes, request_id = self._strings(get)
         if meta["probe"]:
             return None, request_id
         ids = _ints(get, "ids")
@@ -139,7 +144,7 @@ class DetokenizerModel:
         if any(i < 0 for i in ids):  # (ids past the tokenizer's vocabulary decode to "")
             raise RequestError("ids must be token ids (>= 0)")
         ask = self._cancel_polls.due(request_id, bool(meta["final"]))
-        text += window_text(
+        texts[0] += window_text(
             self.tokenizer,
             ids[:window],
             ids[window:],
@@ -151,22 +156,27 @@ class DetokenizerModel:
             array = _tensor(get, name, *spec, required=name in PASSTHROUGH)
             if array is not None:
                 inputs[name] = array
-        _check_rows(inputs)
+        _check_rows(inputs, len(texts))
         if meta["extra"] & Extra.VLLM:
-            out = vllm_outputs(self.tokenizer, text, finish_reason, meta, inputs)
+            out = vllm_outputs(self.tokenizer, texts, finishes, meta, inputs)
         else:
-            out = self._outputs(text, finish_reason, meta, inputs)
+            out = self._outputs(texts, finishes, meta, inputs)
+        if meta["sequence_index"] >= 0:  # n > 1, streamed: which sequence this is about
+            out["sequence_index"] = np.array([meta["sequence_index"]], dtype=np.int32)
         return out, request_id if ask else None
 
     def _outputs(
-        self, text: str, finish_reason: str, meta: dict[str, int], inputs: Tensors
+        self, texts: list[str], finishes: list[str], meta: dict[str, int], inputs: Tensors
     ) -> Tensors:
         """pagedllm's own output set, with the optional outputs the engine sent."""
+        counts = [meta["num_output_tokens"]]
+        if len(texts) > 1:  # n > 1, not streamed: one element per sequence
+            counts = inputs["sequence_lengths"].tolist()
         out = {
-            "text_output": _bytes([text]),
-            "finish_reason": _bytes([finish_reason]),
+            "text_output": _bytes(texts),
+            "finish_reason": _bytes(finishes),
             "num_input_tokens": np.array([meta["num_input_tokens"]], dtype=np.uint32),
-            "num_output_tokens": np.array([meta["num_output_tokens"]], dtype=np.uint32),
+            "num_output_tokens": np.array(counts, dtype=np.uint32),
             "index": np.array([meta["index"]], dtype=np.int32),
         }
         if meta["queue_time_us"] >= 0:  # asked for, on the last response only
@@ -176,9 +186,9 @@ class DetokenizerModel:
         out |= {name: a for name, a in inputs.items() if name != "output_ranks"}
         if "output_ranks" in inputs:  # log-probs were asked for: the chosen tokens' texts
             out["output_tokens"] = self._texts(inputs["output_token_ids"])
-        for name, texts in TOKEN_TEXTS.items():
+        for name, texts_name in TOKEN_TEXTS.items():
             if name in inputs:
-                out[texts] = self._texts(inputs[name])
+                out[texts_name] = self._texts(inputs[name])
         return out
 
     def _texts(self, ids: np.ndarray) -> np.ndarray:
@@ -186,12 +196,16 @@ class DetokenizerModel:
         return _bytes(texts).reshape(ids.shape)
 
     @staticmethod
-    def _strings(get: Getter) -> list[str]:
-        """`text`, `finish_reason`, `request_id`."""
+    def _strings(get: Getter) -> tuple[list[str], list[str], str]:
+        """The texts and finish reasons (one per sequence), and the `request_id`: `text`,
+        `finish_reason`, `request_id`, then a `text`, `finish_reason` pair per further
+        sequence."""
         array = _required(get, "strings").reshape(-1)
-        if array.size != 3 or not all(isinstance(s, bytes) for s in array):
-            raise RequestError("strings must hold 3 BYTES values")
+        if array.size < 3 or array.size % 2 == 0 or not all(isinstance(s, bytes) for s in array):
+            raise RequestError("strings must hold 3, 5, 7, ... BYTES values")
         try:
-            return [s.decode("utf-8") for s in array]
+            values = [s.decode("utf-8") for s in array]
         except UnicodeDecodeError:
             raise RequestError("strings must be valid UTF-8") from None
+        pairs = values[:2] + values[3:]
+        return pairs[0::2], pairs[1::2], values[2]

@@ -221,7 +221,7 @@ class TritonServer:
         log_path: Path | None = None,
         log_verbose: int = 0,
         start_timeout: float = 120.0,
-        exit_timeout: int = 10,
+        exit_timeout: int = 30,  # unloading 7 Python models can take 10 s on 2 busy cores
         extra_args: Sequence[str] = (),
         ports: tuple[int, int, int] | None = None,
         env: dict[str, str] | None = None,

@@ -2,17 +2,22 @@
 (`codec.Extra.VLLM`): `text_output` and exactly the outputs those flags ask for, with its
 types and meanings (triton-inference-server/vllm_backend, docs/additional_outputs.md):
 
-- `finish_reason`: "None" until the last response, then "stop" / "length" / "abort";
+- `finish_reason`: "None" until the sequence ends, then "stop" / "length" / "abort";
 - `cumulative_logprob`: the sum of the output's log-probs so far;
 - `logprobs`: JSON, this response's tokens: `[{"<id>": {"logprob", "rank",
   "decoded_token"}, ...}, ...]`, the chosen token first, then the top ones (vLLM's
   `SampleLogprobs`); `null` when no log-probs were asked for in `sampling_parameters`;
 - `num_input_tokens`: the prompt's tokens; `num_output_tokens`: the tokens of *this* response
   (all of them when not streamed).
+
+With n > 1, a non-streamed response holds one element per sequence; streamed, each response is
+about one sequence (`sequence_index`, pagedllm's addition: vllm_backend's own layout is by
+position only).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -25,29 +30,43 @@ Tensors = dict[str, np.ndarray]
 
 
 def vllm_outputs(
-    tokenizer: Tokenizer, text: str, finish_reason: str, meta: dict[str, int], inputs: Tensors
+    tokenizer: Tokenizer,
+    texts: list[str],
+    finishes: list[str],
+    meta: dict[str, int],
+    inputs: Tensors,
 ) -> Tensors:
-    """The response's tensors; `inputs`: the detokenizer's (checked) tensors from the engine."""
+    """The response's tensors, one element per sequence; `inputs`: the detokenizer's (checked)
+    tensors from the engine (several sequences' tokens one after another)."""
     extra = Extra(meta["extra"])
-    out = {"text_output": _bytes(text)}
+    lengths = inputs.get("sequence_lengths", np.array([len(inputs["output_token_ids"])]))
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    out = {"text_output": _bytes(texts)}
     if extra & Extra.FINISH_REASON:
-        out["finish_reason"] = _bytes(finish_reason if meta["final"] else "None")
+        out["finish_reason"] = _bytes([f or "None" for f in finishes])
     if extra & Extra.CUMULATIVE_LOGPROB:
-        total = inputs.get("cum_log_probs", np.zeros(1, dtype=np.float32))
-        out["cumulative_logprob"] = total.astype(np.float32).reshape(1)
+        total = inputs.get("cum_log_probs", np.zeros(len(texts), dtype=np.float32))
+        out["cumulative_logprob"] = total.astype(np.float32)
     if extra & Extra.LOGPROBS:
-        out["logprobs"] = _bytes(json.dumps(_logprobs(tokenizer, inputs)))
+        per_sequence = [
+            json.dumps(_logprobs(tokenizer, inputs, start, end))
+            for start, end in itertools.pairwise(starts)
+        ]
+        out["logprobs"] = _bytes(per_sequence)
     if extra & Extra.NUM_INPUT_TOKENS:
         out["num_input_tokens"] = np.array([meta["num_input_tokens"]], dtype=np.uint32)
     if extra & Extra.NUM_OUTPUT_TOKENS:
-        new = len(inputs["output_token_ids"])
-        out["num_output_tokens"] = np.array([new], dtype=np.uint32)
+        out["num_output_tokens"] = np.asarray(lengths, dtype=np.uint32)
     return out
 
 
-def _logprobs(tokenizer: Tokenizer, inputs: Tensors) -> list[dict[str, Any]] | None:
+def _logprobs(
+    tokenizer: Tokenizer, inputs: Tensors, start: int, end: int
+) -> list[dict[str, Any]] | None:
+    """Tokens start..end of this response (one sequence's)."""
     if "output_ranks" not in inputs:  # none asked for
         return None
+    inputs = {name: a[start:end] for name, a in inputs.items() if name.startswith("output_")}
 
     def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
         text = tokenizer.decode([token], False)
@@ -70,5 +89,5 @@ def _logprobs(tokenizer: Tokenizer, inputs: Tensors) -> list[dict[str, Any]] | N
     return out
 
 
-def _bytes(text: str) -> np.ndarray:
-    return np.array([text.encode("utf-8")], dtype=np.object_)
+def _bytes(texts: list[str]) -> np.ndarray:
+    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
