@@ -481,3 +481,19 @@ def test_end_to_end_test_llmapi_requests(server: TritonServer, llm: LLM) -> None
         grpc.infer("tensorrt_llm", [llmapi_inputs(PROMPT, 4)[0], streaming])
     assert "Streaming is only supported in decoupled mode." in str(e.value)
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_stop_by_request_id_can_be_turned_off(checkpoints: dict[str, Path]) -> None:
+    """`stop_by_request_id` "false": a stop is refused, so no client stops another's request
+    by guessing its id (the requests in flight are untouched)."""
+    from pagedllm.serving.trtllm_llmapi import Run
+
+    tokenizer = Tokenizer.from_model_dir(str(checkpoints["llama"]))
+    for allow, stopped in ((False, False), (True, True)):
+        model = LlmApiModel(tokenizer, 1 << 20, allow_stop=allow)
+        victim = Run()
+        model._register("1", victim)
+        answer = model.stop("1")
+        assert victim.stopped is stopped
+        assert (answer.code == "CANCELLED") is allow
+        assert allow or "stop by request id is turned off" in (answer.error or "")

@@ -20,9 +20,15 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from pagedllm.sampling_params import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
-from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES, int_setting, model_dir  # noqa: E402
+from pagedllm.serving.settings import (  # noqa: E402
+    DEFAULT_MAX_PROMPT_BYTES,
+    int_setting,
+    model_dir,
+    setting,
+)
 from pagedllm.serving.trtllm import engine_caller  # noqa: E402
 from pagedllm.serving.trtllm_llmapi import LlmApiModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
@@ -34,7 +40,8 @@ class TritonPythonModel:
     def initialize(self, args):
         params = adapter.parameters(args)
         limit = int_setting(params, "max_prompt_bytes", DEFAULT_MAX_PROMPT_BYTES, minimum=1)
-        self.model = LlmApiModel(Tokenizer.from_model_dir(model_dir(params)), limit)
+        allow_stop = to_bool("stop_by_request_id", setting(params, "stop_by_request_id", "true"))
+        self.model = LlmApiModel(Tokenizer.from_model_dir(model_dir(params)), limit, allow_stop)
         self.engine = engine_caller(pb_utils)
         self.pool = ThreadPoolExecutor(max_workers=512, thread_name_prefix="trtllm")
 

@@ -10,6 +10,9 @@ The prompt leads `text_output` unless `sampling_param_exclude_input_from_output`
 A request with `stop=true` stops every request in flight under the same Triton request id
 (upstream: by id, whoever sent it) and is itself answered `CANCELLED` "Request cancelled by
 client"; so is the stopped request, and one whose client cancelled (a gRPC cancel or deadline).
+NOTE: so any client that can guess a request id (clients choose them: "1" is llmapi_client.py's
+default) can stop another's request. `allow_stop=False` (the `stop_by_request_id` parameter)
+refuses `stop` instead; clients can still cancel their own requests (gRPC cancel).
 """
 
 from __future__ import annotations
@@ -70,8 +73,11 @@ class LlmApiRequest:
 
 
 class LlmApiModel:
-    def __init__(self, tokenizer: Tokenizer, max_prompt_bytes: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_prompt_bytes: int, allow_stop: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
+        self.allow_stop = allow_stop
         self.tokenize = TokenizerModel(tokenizer, max_prompt_bytes)
         self.detokenizer = DetokenizerModel(tokenizer)
         self._runs: dict[str, set[Run]] = {}  # Triton request id -> its requests in flight
@@ -116,6 +122,11 @@ class LlmApiModel:
     def stop(self, request_id: str) -> Answer:
         """Stop the requests in flight under `request_id` (they abort at the engine's next
         probe, within half a second); answered CANCELLED, whether there were any or not."""
+        if not self.allow_stop:
+            return Answer(
+                error="stop by request id is turned off on this server (stop_by_request_id):"
+                " cancel the request instead"
+            )
         if not request_id:
             return Answer(error="A request id must be provided for request cancellation")
         with self._lock:
