@@ -1,16 +1,13 @@
-"""TensorRT-LLM's clients against the real server, sending exactly what its sample clients send:
-end_to_end_grpc_client.py to `tensorrt_llm_bls` ([1, 1] tensors over a gRPC stream, streamed
-or not, `--batch-inputs` stacking prompts into [B, 1]); llmapi_client.py to `tensorrt_llm` (the
-LLM-API model: unary `async_infer`, its stop request, its cancel) and end_to_end_test.py
---test-llmapi's request (HTTP `infer`). The oracle is the offline engine: TensorRT-LLM decodes
-greedily when no top_k / top_p is sent (the BLS) or no sampling parameter at all (the LLM API).
-The adapters' rules are checked offline first (pagedllm.serving.trtllm, trtllm_llmapi)."""
+"""TensorRT-LLM's BLS clients against the real server, sending exactly what its sample client
+end_to_end_grpc_client.py sends to `tensorrt_llm_bls` ([1, 1] tensors over a gRPC stream,
+streamed or not, `--batch-inputs` stacking prompts into [B, 1]). The oracle is the offline
+engine: TensorRT-LLM decodes greedily when no top_k / top_p is sent. The adapter's rules are
+checked offline first (pagedllm.serving.trtllm). The LLM-API model: test_trtllm_llmapi.py."""
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.serving.codec import RequestError
 from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.serving.trtllm import BatchReplies, BlsModel, trt_greedy, words
-from pagedllm.serving.trtllm_llmapi import LlmApiModel, llmapi_greedy
+from pagedllm.serving.trtllm_llmapi import llmapi_greedy
 from pagedllm.text.tokenizer import Tokenizer
 
 PROMPT = "Once upon a time"
@@ -208,23 +205,6 @@ def test_batch_replies_send_one_final_and_stop_at_the_first_error() -> None:
     assert sent[-1] == "bad" and failing.cancelled()  # the other items abort
 
 
-def test_llmapi_request_defaults_and_refusals(checkpoints: dict[str, Path]) -> None:
-    model = LlmApiModel(Tokenizer.from_model_dir(checkpoints["llama"]), 1 << 20)
-    text = {"text_input": np.array([PROMPT.encode()], dtype=object)}
-    request = model.request(text.get)
-    assert request.inputs["max_tokens"].tolist() == [32]  # the LLM API's default
-    assert request.inputs["temperature"].tolist() == [0.0]
-    for extra, message in [
-        ({"sampling_param_best_of": np.array([2], dtype=np.int32)}, "best_of must be 1"),
-        ({"sampling_param_return_perf_metrics": np.array([True])}, "not supported"),
-        ({"text_input": np.array([], dtype=object)}, "text_input is missing"),
-    ]:
-        with pytest.raises(RequestError, match=message):
-            model.request({**text, **extra}.get)
-    assert model.stop("").error == "A request id must be provided for request cancellation"
-    assert model.stop("nobody").code == "CANCELLED"  # stopping nothing is answered alike
-
-
 # --- tensorrt_llm_bls ---------------------------------------------------------------------------
 
 
@@ -335,165 +315,3 @@ def test_a_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
     client.stop_stream(cancel_requests=True)
     assert server_metrics.wait_idle(server.metrics_url, timeout=1.0) < 1.0
     assert aborted(server) == before + 1
-
-
-# --- tensorrt_llm (the LLM-API model) -----------------------------------------------------------
-
-
-def llmapi_tensor(name: str, value: np.ndarray) -> Any:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    t = grpcclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype))
-    t.set_data_from_numpy(value)
-    return t
-
-
-def llmapi_inputs(prompt: str, output_len: int) -> list[Any]:
-    """llmapi_client._prepare_inputs."""
-    return [
-        llmapi_tensor("text_input", np.array([prompt], dtype=object)),
-        llmapi_tensor("sampling_param_max_tokens", np.array([output_len], dtype=np.int32)),
-    ]
-
-
-def stop_signals() -> list[Any]:
-    """llmapi_client.prepare_stop_signals."""
-    import tritonclient.grpc as grpcclient
-
-    inputs = [
-        grpcclient.InferInput("text_input", [1], "BYTES"),
-        grpcclient.InferInput("stop", [1], "BOOL"),
-    ]
-    inputs[0].set_data_from_numpy(np.empty([1], dtype=np.bytes_))
-    inputs[1].set_data_from_numpy(np.array([True], dtype="bool"))
-    return inputs
-
-
-def test_llmapi_client(server: TritonServer, llm: LLM) -> None:
-    import tritonclient.grpc as grpcclient
-
-    prompt = "Born in north-east France, Soyer trained as a"
-    completed: queue.Queue[Any] = queue.Queue()
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.async_infer(
-            "tensorrt_llm",
-            llmapi_inputs(prompt, 16),
-            outputs=None,
-            request_id="1",
-            callback=lambda result, error: completed.put(error or result),
-            parameters={"Streaming": False},  # ignored, as upstream
-        )
-        result = completed.get(timeout=60)
-    assert not isinstance(result, Exception), result
-    assert result.as_numpy("text_output")[0].decode() == prompt + greedy(llm, prompt, 16)
-
-
-@pytest.mark.parametrize("how", ["stop request", "request cancel"])
-def test_llmapi_client_stops_a_request(server: TritonServer, llm: LLM, how: str) -> None:
-    """llmapi_client.py --stop-after-ms (a stop request with the same request id, or
-    --stop-via-request-cancel): the request ends as CANCELLED and its engine request is
-    aborted; requests under other ids run on untouched. The others also slow the engine, so
-    the target is still running at its first probe (0.5 s)."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    params = SamplingParams(temperature=0, max_tokens=LONG)
-    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "length"  # no EOS: it runs for a while
-    expected = PROMPT + out.text
-    before = aborted(server)
-    completed: queue.Queue[tuple[str, Any]] = queue.Queue()
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-
-        def send(request_id: str, inputs: list[Any]) -> Any:
-            def callback(result: Any, error: Any) -> None:
-                completed.put((request_id, error or result))
-
-            return client.async_infer(
-                "tensorrt_llm", inputs, request_id=request_id, callback=callback
-            )
-
-        for k in range(4):
-            send(f"other-{k}", llmapi_inputs(PROMPT, LONG))
-        future = send("target", llmapi_inputs(PROMPT, LONG))
-        time.sleep(0.1)
-        if how == "stop request":
-            send("target", stop_signals())
-        else:
-            future.cancel()
-        answers: dict[str, list[Any]] = {}
-        for _ in range(6 if how == "stop request" else 5):
-            request_id, result = completed.get(timeout=120)
-            answers.setdefault(request_id, []).append(result)
-    for result in answers["target"]:  # the stop request's answer, and the stopped request's
-        assert isinstance(result, InferenceServerException)
-        assert result.status() == "StatusCode.CANCELLED"
-        if how == "stop request":
-            assert "Request cancelled by client" in str(result)
-    for k in range(4):
-        [result] = answers[f"other-{k}"]
-        assert result.as_numpy("text_output")[0].decode() == expected
-    assert server_metrics.wait_idle(server.metrics_url, timeout=5) < 5
-    assert aborted(server) == before + 1
-
-
-def test_end_to_end_test_llmapi_requests(server: TritonServer, llm: LLM) -> None:
-    """end_to_end_test.py --test-llmapi: text_input [1] over HTTP (its default protocol),
-    `--output-config` flags as BOOL [1], `--sampling-params` with numpy's default dtypes."""
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
-
-    def tensor(name: str, value: np.ndarray) -> Any:
-        t = httpclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype))
-        t.set_data_from_numpy(value)
-        return t
-
-    client = httpclient.InferenceServerClient(server.http_url.removeprefix("http://"))
-    text_input = tensor("text_input", np.array([PROMPT], dtype=object))
-    result = client.infer("tensorrt_llm", [text_input], request_id="0")
-    assert result.as_numpy("text_output")[0].decode() == PROMPT + greedy(llm, PROMPT, 32)
-    assert result.as_numpy("finish_reason") is None  # not asked for
-    flags = [
-        tensor(name, np.array([True], dtype=bool))
-        for name in ("return_finish_reason", "return_stop_reason", "return_cumulative_logprob")
-    ]
-    stop = greedy(llm, PROMPT, 32)[8:11]
-    stop_input = tensor("sampling_param_stop", np.array([stop], dtype=object))
-    for extra, reason, stop_reason in [([], "length", "None"), ([stop_input], "stop", stop)]:
-        result = client.infer("tensorrt_llm", [text_input, *flags, *extra], request_id="1")
-        assert result.as_numpy("finish_reason").tolist() == [reason.encode()]
-        assert result.as_numpy("stop_reason").tolist() == [stop_reason.encode()]
-        assert result.as_numpy("cumulative_logprob").dtype == np.float32
-    assert result.as_numpy("text_output")[0].decode() == PROMPT + greedy(
-        llm, PROMPT, 32, stop=[stop]
-    )
-    # --sampling-params "{'max_tokens': 10}" sends INT64: Triton refuses it (as upstream's
-    # config, which declares INT32 too)
-    max_tokens = tensor("sampling_param_max_tokens", np.array([10], dtype=int))
-    with pytest.raises(InferenceServerException, match="data-type is 'INT64', but model"):
-        client.infer("tensorrt_llm", [text_input, max_tokens])
-    # --streaming: this model is not decoupled, as upstream's default
-    grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    streaming = llmapi_tensor("streaming", np.array([True], dtype=bool))
-    with pytest.raises(InferenceServerException) as e:
-        grpc.infer("tensorrt_llm", [llmapi_inputs(PROMPT, 4)[0], streaming])
-    assert "Streaming is only supported in decoupled mode." in str(e.value)
-    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
-
-
-def test_stop_by_request_id_can_be_turned_off(checkpoints: dict[str, Path]) -> None:
-    """`stop_by_request_id` "false": a stop is refused, so no client stops another's request
-    by guessing its id (the requests in flight are untouched)."""
-    from pagedllm.serving.trtllm_llmapi import Run
-
-    tokenizer = Tokenizer.from_model_dir(str(checkpoints["llama"]))
-    for allow, stopped in ((False, False), (True, True)):
-        model = LlmApiModel(tokenizer, 1 << 20, allow_stop=allow)
-        victim = Run()
-        model._register("1", victim)
-        answer = model.stop("1")
-        assert victim.stopped is stopped
-        assert (answer.code == "CANCELLED") is allow
-        assert allow or "stop by request id is turned off" in (answer.error or "")
