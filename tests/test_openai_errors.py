@@ -20,10 +20,11 @@ import pytest
 import test_openai
 from starlette.testclient import TestClient
 from test_openai import MAX_TOKENS, MESSAGES, MODEL, PROMPT
+from test_request_body import nested
 
 from pagedllm.openai.app import GatewayConfig, create_app
 from pagedllm.openai.errors import from_triton
-from pagedllm.openai.request_body import MAX_BODY_BYTES, MAX_JSON_DEPTH, too_deep
+from pagedllm.openai.request_body import MAX_BODY_BYTES
 from pagedllm.openai.triton import Generation, TritonBridge, TritonError, make_inputs, request_error
 from pagedllm.serving.tritonserver import TritonServer, free_port
 
@@ -36,10 +37,6 @@ INTERNALS = re.compile(r"Traceback|File \"|(^|[\s'\"(=:])/[\w.-]+/|\b[A-Z]\w*(Er
 BUSY = "in ensemble 'ensemble', server busy: the waiting queue is full (8 requests)"
 NAN, INF = float("nan"), float("inf")
 CMPL, CHAT = "completions", "chat/completions"
-
-
-def nested(depth: int) -> str:
-    return "[" * depth + "]" * depth
 
 
 def cmpl(**fields: Any) -> dict[str, Any]:
@@ -387,25 +384,6 @@ def test_triton_internals_are_not_forwarded(caplog: pytest.LogCaptureFixture) ->
     assert "KeyError" in caplog.text
     kept = from_triton(TritonError(400, "max_tokens must be at least 1"), "prompt")
     assert (kept.status, kept.param) == (400, "max_tokens")
-
-
-@pytest.mark.parametrize(
-    ("text", "deep"),
-    [
-        (nested(64), False),
-        (nested(65), True),
-        ("[{" * 32 + "}]" * 32, False),
-        ("[{" * 33 + "}]" * 33, True),
-        ("[" * 65, True),  # never closed: still too deep for a parser to recurse into
-        (json.dumps(["[" * 100, {"a": "{" * 100}]), False),  # brackets in strings
-        (json.dumps(['\\"' + "[" * 100, "\\", "]" * 3]) + nested(3), False),  # escapes
-        (json.dumps(["\\"]) + nested(70), True),  # an escaped backslash ends no string
-        (json.dumps({"é[": "ü" + "{" * 80}), False),  # multi-byte characters
-        (nested(64) * 1000, False),
-    ],
-)
-def test_too_deep(text: str, deep: bool) -> None:
-    assert too_deep(text.encode(), MAX_JSON_DEPTH) is deep
 
 
 def test_still_serves_after_bad_requests(gateway: str, greedy: dict[str, Any]) -> None:
