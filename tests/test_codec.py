@@ -164,3 +164,9 @@ def test_cancel_polls_ask_each_request_at_most_once_per_interval() -> None:
         polls.due(key, final=False)
     assert polls.due("a", final=False)  # dropped, so asked again at once
     assert not polls.due("f", final=False)
+
+
+def test_structured_outputs_are_refused_by_name() -> None:
+    body = '{"structured_outputs": "{\\"choice\\": [\\"a\\", \\"b\\"]}"}'
+    with pytest.raises(RequestError, match="structured_outputs: structured outputs are not"):
+        parse_request(tensors(text_input="Hi", sampling_parameters=body))

@@ -97,6 +97,8 @@ ALL_INPUTS = (
 )
 
 Getter = Callable[[str], "np.ndarray | None"]
+# vLLM's structured-output keys: named in the refusal rather than as unknown parameters
+GUIDED = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 # sequences per request (n, num_return_sequences)
 MAX_N = 64
 # sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
@@ -199,6 +201,9 @@ def parse_request(get: Getter) -> GenerateRequest:
     for name, bit in VLLM_FLAGS.items():
         if name in flags:
             extra |= Extra.VLLM | (bit if flags[name] else Extra.NONE)
+    guided = sorted(GUIDED & values.keys())
+    if guided:
+        raise RequestError(f"{', '.join(guided)}: structured outputs are not supported yet")
     _trtllm(get, values)
     if flags.get("return_log_probs") and values.get("logprobs") is None:
         values["logprobs"] = 0  # the chosen token's log-prob
