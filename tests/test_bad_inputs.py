@@ -221,7 +221,7 @@ DIRECT: list[tuple[str, str, dict[str, Any], str]] = [
         "detokenizer 2 strings",
         "detokenizer",
         detokenizer_inputs(strings=np.array([b"", b""], dtype=np.object_)),
-        "unexpected shape",
+        "strings must hold 3, 5, 7, ... BYTES values",  # dims [-1]: checked by the model
     ),
     (
         "detokenizer float log-probs",
