@@ -12,33 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from grpc_stream import grpc_inputs
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.tritonserver import TritonServer
 
 PROMPT = "Once upon a time"
 GREEDY: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
-
-_DTYPES = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
-
-
-def _inputs(values: dict[str, Any]) -> list[Any]:
-    import tritonclient.grpc as grpcclient
-
-    out = []
-    for name, value in values.items():
-        if isinstance(value, np.ndarray):
-            array, dtype = value, {np.int32: "INT32", np.uint64: "UINT64"}[value.dtype.type]
-        elif isinstance(value, list | str):
-            words = value if isinstance(value, list) else [value]
-            array, dtype = np.array([w.encode() for w in words], dtype=np.object_), "BYTES"
-        else:
-            dtype, np_type = _DTYPES[type(value)]
-            array = np.array([value], dtype=np_type)
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        out.append(tensor)
-    return out
 
 
 def generate(
@@ -51,7 +31,7 @@ def generate(
     results: queue.Queue[Any] = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, _inputs(values), enable_empty_final_response=True)
+    client.async_stream_infer(model, grpc_inputs(values), enable_empty_final_response=True)
     responses = []
     try:
         while True:
