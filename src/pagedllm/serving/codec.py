@@ -258,11 +258,10 @@ def _trtllm(get: Getter, values: dict[str, Any]) -> None:
                 f"{name} is not supported: ask for log-probs instead (return_log_probs,"
                 " top_logprobs, return_prompt_log_probs)"
             )
-    for name in ("end_id", "pad_id"):
-        value = read(name)
+    end_id, pad_id = read("end_id"), read("pad_id")
+    for name, value in (("end_id", end_id), ("pad_id", pad_id)):
         if value is not None and (isinstance(value, bool | float | str) or value < -1):
             raise RequestError(f"{name} must be a token id or -1, got {value!r}")
-    end_id = read("end_id")
     if end_id is not None and end_id >= 0:  # the one token that ends the output (-1: EOS)
         values["ignore_eos"] = True
         ids = values.get("stop_token_ids") or []

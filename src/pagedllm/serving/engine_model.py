@@ -27,7 +27,7 @@ from pagedllm.engine import LLMEngine
 from pagedllm.engine.faults import FaultInjection
 from pagedllm.engine.service import EngineService, OnStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Fail, IsCancelled, Send, Stream
@@ -109,8 +109,11 @@ class EngineModel:
             )
             return
         detokenized = bool(req.params.stop) or req.params.n > 1
-        prefix_none = req.stream or req.exclude_input_in_output
-        ids_only = not req.prompt and req.prompt_token_ids is not None
+        prefix = "" if req.stream or req.exclude_input_in_output else req.prompt
+        ids = req.prompt_token_ids
+        if not (req.stream or req.exclude_input_in_output or prefix) and ids is not None:
+            # ids alone: their text leads the output
+            prefix = self.engine.tokenizer.decode(ids, req.params.skip_special_tokens)
         params = dataclasses.replace(
             req.params,
             output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
@@ -123,7 +126,7 @@ class EngineModel:
             detokenized=detokenized,
             streamed=req.stream,
             n=req.params.n,
-            prefix="" if prefix_none else req.prompt,
+            prefix=prefix,
             send=send,
             fail=fail,
             is_cancelled=is_cancelled,
@@ -131,7 +134,6 @@ class EngineModel:
             extra=int(req.extra),
             top_logprobs=req.top_logprobs,
             prompt_top=params.prompt_logprobs or 0,
-            prompt_text=self._prompt_text(params) if ids_only and not prefix_none else None,
         )
         self._outbox.put(lambda: self._live.__setitem__(stream.request_id, stream))
 
@@ -150,15 +152,6 @@ class EngineModel:
         except RuntimeError as e:  # shutting down, or the engine is dead
             message = str(e) if error_code(str(e)) == "UNAVAILABLE" else f"the engine {e}"
             self._outbox.put(lambda: self._fail(stream, message, "UNAVAILABLE"))
-
-    def _prompt_text(self, params: SamplingParams) -> Callable[[list[int]], str]:
-        """A prompt sent as ids alone: its text, for a non-streamed output that starts with it."""
-        tokenizer = self.engine.tokenizer
-
-        def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, params.skip_special_tokens)
-
-        return decode
 
     def _admit(self) -> bool:
         with self._lock:

@@ -10,19 +10,20 @@ every hop, and there is one response per token, so the optional ones go only whe
   (0, 1, ... per response) and, on the last response when asked, the queue time and the time
   to first token; `probe`; `extra` (`codec.Extra`: which output set the client gets);
 - `strings`: `text`, put first by the detokenizer — the prompt of a non-streamed output
-  (unless `exclude_input_in_output`), or, for requests with stop strings, the whole new text
-  (those are detokenized in the engine: only the engine can stop on text, fact 4; every other
-  request is decoded by the detokenizer, off the engine thread); `finish_reason`;
+  (unless `exclude_input_in_output`), or, for requests with stop strings or n > 1, the whole
+  new text (those are detokenized in the engine: only the engine can stop on text, fact 4;
+  every other request is decoded by the detokenizer, off the engine thread); `finish_reason`;
   `request_id`, the engine's id — 128 random bits, so that only the pipeline (and a direct
   client, for its own request) knows it — which the detokenizer sends back when the client
-  cancelled (a cancelled ensemble request is not seen by this step, fact 5);
+  cancelled (a cancelled ensemble request is not seen by this step, fact 5); then a `text`,
+  `finish_reason` pair per further sequence (n > 1, not streamed);
 - passed through to the client: `output_token_ids` (the ids generated in this response, the
   stop token included) and `output_log_probs` (their log-probs, when asked);
 - when log-probs were asked for: `output_ranks` (the chosen tokens' ranks), `cum_log_probs`,
   and with N > 0 alternatives `output_top_token_ids` / `output_top_log_probs` (T, N); on the
   first response when prompt log-probs were asked for, `prompt_token_ids` (L),
   `prompt_log_probs` (L - 1: from the second prompt token on) and `prompt_top_token_ids` /
-  `prompt_top_log_probs` (L - 1, N).
+  `prompt_top_log_probs` (L - 1, N); for n > 1 not streamed, `sequence_lengths`.
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ class Stream:
     extra: int = 0
     top_logprobs: int | None = None  # the log-probs asked for: the alternatives per token
     prompt_top: int = 0  # the alternatives per prompt token, when prompt log-probs are asked
-    prompt_text: Callable[[list[int]], str] | None = None  # the prefix of an ids-only prompt
     n: int = 1  # sequences per request (n > 1: detokenized here)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     counts: dict[int, int] = dataclasses.field(default_factory=dict)  # n > 1: tokens so far
@@ -160,8 +160,6 @@ class Stream:
             text, ids, window = self.prefix, new, before
             if finish == "stop" and not self.include_stop_token:
                 ids = ids[:-1]  # the EOS / stop token's text is not shown (as vLLM)
-        if self.prompt_text is not None:
-            text, self.prompt_text = self.prompt_text(out.prompt_token_ids) + text, None
         self.prefix = ""
         entries = completion.logprobs or []
         logprobs = [next(iter(d.values())).logprob for d in entries]  # the chosen token first
