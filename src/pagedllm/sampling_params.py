@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.structured.params import StructuredOutputsParams
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_BAD_WORDS = 100  # per list: bad_words, bad_words_ids
@@ -127,6 +129,9 @@ class SamplingParams:
     # accepted for vLLM compatibility; fast tokenizers ignore it, as in vLLM
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # the output must match a JSON schema, regex, grammar, ... (`pagedllm.structured`); a
+    # dict is read as `StructuredOutputsParams.from_dict`
+    structured_outputs: StructuredOutputsParams | None = None
     # set by the engine (`update_from_tokenizer`): the token sequences the sampler bans
     _bad_words_token_ids: list[list[int]] = field(
         default_factory=list, init=False, repr=False, compare=False
@@ -177,6 +182,12 @@ class SamplingParams:
         self.stop_token_ids = _to_int_list("stop_token_ids", self.stop_token_ids or [])
         self.bad_words = _to_str_list("bad_words", self.bad_words)
         self.bad_words_ids = _to_id_lists("bad_words_ids", self.bad_words_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(
+                f"structured_outputs must be an object, got {self.structured_outputs!r}"
+            )
 
     def _validate(self) -> None:
         checks = [

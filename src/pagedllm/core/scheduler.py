@@ -236,6 +236,9 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        # a grammar allows EOS only where its output may end, and then it ends it
+        if params.structured_outputs is not None and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
         # the sampler masks these ids until min_tokens outputs exist; this is the backstop
         if request.num_output_tokens > params.min_tokens:
             if token_id in params.stop_token_ids:

@@ -51,6 +51,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what a grammar engine reads)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -3,18 +3,24 @@ samples the next token of every request whose chunk reached its end."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.layers.bitmask import apply_token_bitmask_, ban_
 from pagedllm.layers.sampler import Sampler, SampleRequest, SamplingMetadata, prompt_logprobs
 from pagedllm.model import load_model
 from pagedllm.model.llama import ForwardContext
 from pagedllm.model.rope import rope_cos_sin, rotary_table
 from pagedllm.worker import cuda_graphs
+
+if TYPE_CHECKING:  # llguidance is imported only once a request is constrained
+    from pagedllm.structured.matchers import GrammarMatchers
 
 
 class ModelRunner:
@@ -40,6 +46,8 @@ class ModelRunner:
         self.rotary = rotary_table(cos, sin).to(self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        # structured outputs: set by the engine with the first constrained request
+        self.grammars: GrammarMatchers | None = None
         # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager)
         self.graphs = cuda_graphs.create_graph_runner(self)
         if self.graphs is not None:
@@ -92,7 +100,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for request_id in sched.finished_ids:
             self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(sched.finished_ids)
         batch = order_batch(sched.scheduled)
+        sampled = [s for s in batch if s.sample]
+        # the grammars' next-token masks are filled on their own thread during the forward pass
+        masks = self._fill_masks(sampled)
         step = self.prepare_inputs(batch)
         spans = _prompt_logprob_spans(batch, step.query_start_loc)
         indices = step.logits_indices
@@ -109,9 +122,9 @@ class ModelRunner:
             ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
             logits = self.model(step.input_ids, ctx, indices)
         out = RunnerOutput()
-        sampled = [s for s in batch if s.sample]
         if sampled:
-            self._sample(logits[: len(sampled)], sampled, out)
+            bitmask = None if masks is None else masks.result()
+            self._sample(logits[: len(sampled)], sampled, out, bitmask)
         offset = len(sampled)
         for span in spans:
             s = span.request
@@ -124,18 +137,30 @@ class ModelRunner:
             offset += span.count
         return out
 
+    def _fill_masks(self, sampled: list[ScheduledRequest]) -> Future[torch.Tensor | None] | None:
+        if self.grammars is None or not any(s.params.structured_outputs for s in sampled):
+            return None
+        return self.grammars.submit(sampled)
+
     def _sample(
-        self, logits: torch.Tensor, batch: list[ScheduledRequest], out: RunnerOutput
+        self,
+        logits: torch.Tensor,
+        batch: list[ScheduledRequest],
+        out: RunnerOutput,
+        bitmask: torch.Tensor | None,
     ) -> None:
+        stop_ids = [self._stop_ids(s) if _before_min_tokens(s) else [] for s in batch]
+        if bitmask is not None:  # before the sampler: log-probs are of the masked logits
+            constrained = [i for i, s in enumerate(batch) if s.params.structured_outputs]
+            for i in constrained:  # min_tokens through the mask, which it must not empty
+                ban_(bitmask, i, stop_ids[i])
+                stop_ids[i] = []
+            apply_token_bitmask_(logits, bitmask, constrained)
         rows = [
             SampleRequest(
-                s.params,
-                s.prompt_token_ids,
-                s.output_token_ids,
-                self._generator(s),
-                self._stop_ids(s) if s.params.min_tokens else (),
+                s.params, s.prompt_token_ids, s.output_token_ids, self._generator(s), stop
             )
-            for s in batch
+            for s, stop in zip(batch, stop_ids, strict=True)
         ]
         meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
         result = self.sampler(logits, rows, meta)
@@ -165,6 +190,10 @@ class ModelRunner:
     def _stop_ids(self, s: ScheduledRequest) -> list[int]:
         eos = () if s.params.ignore_eos else self.config.model.eos_token_ids
         return [*eos, *s.params.stop_token_ids]
+
+
+def _before_min_tokens(s: ScheduledRequest) -> bool:
+    return len(s.output_token_ids) < s.params.min_tokens
 
 
 @dataclass

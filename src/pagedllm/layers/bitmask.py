@@ -1,0 +1,41 @@
+"""A grammar's token bitmask applied to logits: a token whose bit is 0 gets -inf.
+
+The bitmask is (rows, ceil(V / 32)) int32, bit `t % 32` of word `t // 32` for token t (the
+layout llguidance and xgrammar fill). On a GPU one Triton kernel masks the constrained rows
+(`bitmask_kernel.py`); on the CPU the bits are unpacked with numpy and written with one
+`masked_fill_`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: logits[r, t] = -inf where the bit of t in bitmask[r] is 0, for each r in
+    `rows` (the other rows are left alone). `bitmask` is on the CPU."""
+    if not rows:
+        return
+    if logits.is_cuda:
+        from pagedllm.layers.bitmask_kernel import apply_bitmask_triton
+
+        apply_bitmask_triton(logits, bitmask, rows)
+        return
+    vocab = logits.shape[1]
+    packed = bitmask[rows].numpy().view(np.uint8)  # little-endian words: bit order per byte
+    allowed = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")
+    index = torch.tensor(rows)
+    masked = logits[index].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+    logits[index] = masked
+
+
+def ban_(bitmask: torch.Tensor, row: int, ids: list[int]) -> None:
+    """Clear the bits of `ids` in one row, unless they are all the row allows (a complete
+    grammar allows only EOS, which `min_tokens` would ban: the grammar wins)."""
+    words = bitmask[row].clone()
+    for t in ids:
+        if t < 32 * len(words):
+            words[t // 32] &= ~(1 << (t % 32))
+    if bool(words.any()):
+        bitmask[row] = words
