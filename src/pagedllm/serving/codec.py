@@ -98,7 +98,7 @@ ALL_INPUTS = (
 
 Getter = Callable[[str], "np.ndarray | None"]
 # vLLM's structured-output keys: named in the refusal rather than as unknown parameters
-GUIDED = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+GUIDED = {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 # sequences per request (n, num_return_sequences)
 MAX_N = 64
 # sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
