@@ -1,0 +1,86 @@
+"""The token-bitmask application: the CPU path and the Triton kernel (run by the Triton
+interpreter on CPU tensors) against a bit-by-bit reference, `ban_`, and a matcher fed a token
+its grammar refuses."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedllm.layers.bitmask import apply_token_bitmask_, ban_
+from pagedllm.sampling_params import SamplingParams
+
+
+def reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    for r in rows:
+        for t in range(logits.shape[1]):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                out[r, t] = float("-inf")
+    return out
+
+
+def random_case(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int64)
+    return logits, bitmask.to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [384, 1000, 4096 + 37])
+def test_cpu_path_matches_the_bits(vocab: int) -> None:
+    logits, bitmask = random_case(vocab)
+    want = reference(logits, bitmask, [0, 3])
+    apply_token_bitmask_(logits, bitmask, [0, 3])
+    assert torch.equal(logits, want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton package")
+@pytest.mark.parametrize("vocab", [384, 4096 + 37])
+def test_triton_kernel_matches_the_bits(vocab: int) -> None:
+    from pagedllm.layers.bitmask_kernel import apply_bitmask_triton
+
+    logits, bitmask = random_case(vocab, seed=1)
+    want = reference(logits, bitmask, [1, 4])
+    # a strided view, as the runner passes the sampled rows of a larger logits tensor
+    wide = torch.zeros(5, vocab + 8)
+    wide[:, :vocab] = logits
+    view = wide[:, :vocab]
+    apply_bitmask_triton(view, bitmask, [1, 4])
+    assert torch.equal(view, want)
+    assert torch.equal(wide[:, vocab:], torch.zeros(5, 8))
+
+
+def test_ban_keeps_a_row_that_would_be_empty() -> None:
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 0b110  # tokens 1 and 2
+    bitmask[1, 0] = 0b010  # token 1 only
+    ban_(bitmask, 0, [1, 40])
+    ban_(bitmask, 1, [1])
+    assert bitmask[0].tolist() == [0b100, 0]
+    assert bitmask[1].tolist() == [0b010, 0]  # the grammar's only token stays
+
+
+def test_a_token_the_grammar_refuses_is_a_violation(checkpoints: dict[str, Path]) -> None:
+    from pagedllm.structured.grammar import GrammarCompiler
+    from pagedllm.structured.matchers import GrammarMatchers, GrammarViolation
+    from pagedllm.text import Tokenizer
+
+    tok = Tokenizer.from_model_dir(checkpoints["llama"])
+    matchers = GrammarMatchers(GrammarCompiler(tok.to_json(), 384, [1]))
+    params = SamplingParams(structured_outputs={"choice": ["fox"]})
+    row = SimpleNamespace(request_id="r", params=params, output_token_ids=[])
+    free = SimpleNamespace(request_id="f", params=SamplingParams(), output_token_ids=[])
+    bitmask = matchers.fill([free, row])
+    assert bitmask is not None and bitmask.shape == (2, 12)
+    assert bitmask[0].eq(-1).all() and not bitmask[1].eq(-1).all()
+    assert matchers.fill([free]) is None
+    row.output_token_ids = tok.encode("dog", add_special_tokens=False)
+    with pytest.raises(GrammarViolation, match="request r left its grammar"):
+        matchers.fill([row])
+    matchers.close()
