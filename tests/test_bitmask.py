@@ -24,17 +24,21 @@ def reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> t
     return out
 
 
-def random_case(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_case(vocab: int, rows: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random logits and bits on `rows`; the other rows' words are all ones (as the
+    matchers fill them)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(5, vocab, generator=gen)
     words = (vocab + 31) // 32
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int64)
-    return logits, bitmask.to(torch.int32)
+    bitmask = torch.full((5, words), -1, dtype=torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), generator=gen)
+    bitmask[rows] = bits.to(torch.int32)
+    return logits, bitmask
 
 
 @pytest.mark.parametrize("vocab", [384, 1000, 4096 + 37])
 def test_cpu_path_matches_the_bits(vocab: int) -> None:
-    logits, bitmask = random_case(vocab)
+    logits, bitmask = random_case(vocab, [0, 3])
     want = reference(logits, bitmask, [0, 3])
     apply_token_bitmask_(logits, bitmask, [0, 3])
     assert torch.equal(logits, want)
@@ -45,7 +49,8 @@ def test_cpu_path_matches_the_bits(vocab: int) -> None:
 def test_triton_kernel_matches_the_bits(vocab: int) -> None:
     from pagedllm.layers.bitmask_kernel import apply_bitmask_triton
 
-    logits, bitmask = random_case(vocab, seed=1)
+    logits, bitmask = random_case(vocab, [1, 4], seed=1)
+    bitmask[0] = 0  # rows not named are not read
     want = reference(logits, bitmask, [1, 4])
     # a strided view, as the runner passes the sampled rows of a larger logits tensor
     wide = torch.zeros(5, vocab + 8)

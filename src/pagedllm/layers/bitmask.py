@@ -13,8 +13,9 @@ import torch
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """In place: logits[r, t] = -inf where the bit of t in bitmask[r] is 0, for each r in
-    `rows` (the other rows are left alone). `bitmask` is on the CPU."""
+    """In place: logits[r, t] = -inf where the bit of t in bitmask[r] is 0, for the rows in
+    `rows`; the other rows' words must be all ones (on the GPU they are not read).
+    `bitmask` is on the CPU, one row per row of `logits`."""
     if not rows:
         return
     if logits.is_cuda:
@@ -22,12 +23,10 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
 
         apply_bitmask_triton(logits, bitmask, rows)
         return
-    vocab = logits.shape[1]
-    packed = bitmask[rows].numpy().view(np.uint8)  # little-endian words: bit order per byte
-    allowed = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")
-    index = torch.tensor(rows)
-    masked = logits[index].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
-    logits[index] = masked
+    # every row at once: the other rows' words are all ones (see `GrammarMatchers.fill`)
+    packed = bitmask.numpy().view(np.uint8)  # little-endian words: bit order per byte
+    allowed = np.unpackbits(packed, axis=1, count=logits.shape[1], bitorder="little")
+    logits.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
 
 
 def ban_(bitmask: torch.Tensor, row: int, ids: list[int]) -> None:
