@@ -24,9 +24,10 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
         apply_bitmask_triton(logits, bitmask, rows)
         return
     # every row at once: the other rows' words are all ones (see `GrammarMatchers.fill`)
-    packed = bitmask.numpy().view(np.uint8)  # little-endian words: bit order per byte
-    allowed = np.unpackbits(packed, axis=1, count=logits.shape[1], bitorder="little")
-    logits.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+    # the inverted bits unpacked are 1 where banned: bytes that are already a bool mask
+    banned = ~bitmask.numpy().view(np.uint8)  # little-endian words: bit order per byte
+    mask = np.unpackbits(banned, axis=1, count=logits.shape[1], bitorder="little")
+    logits.masked_fill_(torch.from_numpy(mask).view(torch.bool), float("-inf"))
 
 
 def ban_(bitmask: torch.Tensor, row: int, ids: list[int]) -> None:
