@@ -166,7 +166,168 @@ def test_cancel_polls_ask_each_request_at_most_once_per_interval() -> None:
     assert not polls.due("f", final=False)
 
 
-def test_structured_outputs_are_refused_by_name() -> None:
-    body = '{"structured_outputs": "{\\"choice\\": [\\"a\\", \\"b\\"]}"}'
-    with pytest.raises(RequestError, match="structured_outputs: structured outputs are not"):
-        parse_request(tensors(text_input="Hi", sampling_parameters=body))
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def structured(**inputs: Any) -> Any:
+    """The request's StructuredOutputsParams (None when it asks for no constraint)."""
+    body = inputs.pop("sampling_parameters", None)
+    if body is not None and not isinstance(body, str):
+        body = json.dumps(body)
+    extra = {} if body is None else {"sampling_parameters": body}
+    return parse_request(tensors(text_input="Hi", **extra, **inputs)).params.structured_outputs
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "value"),
+    [
+        # vllm_backend's current spelling: the object's JSON text inside the JSON
+        ({"structured_outputs": json.dumps({"choice": ["a", "b"]})}, "choice", ["a", "b"]),
+        ({"structured_outputs": {"regex": "[a-z]{2}"}}, "regex", "[a-z]{2}"),
+        # its older one (vLLM's GuidedDecodingParams), as text or object
+        ({"guided_decoding": json.dumps({"json": SCHEMA})}, "json", SCHEMA),
+        ({"guided_decoding": {"grammar": 'root ::= "x"'}}, "grammar", 'root ::= "x"'),
+        # vLLM's OpenAI-server keys; a schema may be its text
+        ({"guided_json": SCHEMA}, "json", SCHEMA),
+        ({"guided_json": json.dumps(SCHEMA)}, "json", json.dumps(SCHEMA)),
+        ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),
+        ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+        ({"guided_grammar": 'start: "x"'}, "grammar", 'start: "x"'),
+        ({"guided_json_object": "true"}, "json_object", True),
+    ],
+)
+def test_vllm_structured_output_spellings(body: dict[str, Any], field: str, value: Any) -> None:
+    spec = structured(sampling_parameters=body)
+    assert spec.kind == field and getattr(spec, field) == value
+
+
+def test_vllm_structured_output_options() -> None:
+    spec = structured(
+        sampling_parameters={
+            "guided_json": SCHEMA,
+            "guided_whitespace_pattern": " ?",
+            "guided_decoding_backend": "xgrammar:disable-any-whitespace,no-additional-properties",
+        }
+    )
+    assert (spec.json, spec.whitespace_pattern, spec.backend) == (SCHEMA, " ?", "xgrammar")
+    assert spec.disable_any_whitespace and spec.disable_additional_properties
+    # booleans as strings ("false" is false); null fields and vLLM's internal ones are ignored
+    spec = structured(
+        sampling_parameters={
+            "guided_decoding": {
+                "json_object": "true",
+                "regex": None,
+                "disable_any_whitespace": "false",
+                "backend_was_auto": False,
+            }
+        }
+    )
+    assert spec.json_object is True and spec.disable_any_whitespace is False
+    # the flat options apply to the one constraint, wherever it comes from
+    spec = structured(
+        sampling_parameters={"structured_outputs": {"regex": "a+"}, "guided_decoding_backend": "x"}
+    )
+    assert (spec.regex, spec.backend) == ("a+", "x")
+
+
+def test_no_constraint_asked() -> None:
+    assert structured() is None
+    assert structured(sampling_parameters={"structured_outputs": None}) is None
+    assert structured(sampling_parameters={"guided_decoding": ""}) is None
+    # vLLM ignores its options without a constraint, and guided_json_object false
+    assert structured(sampling_parameters={"guided_decoding_backend": "xgrammar"}) is None
+    assert structured(sampling_parameters={"guided_json_object": False}) is None
+    # TensorRT-LLM reads an empty guide type and guide as no guide
+    assert structured(guided_decoding_guide_type="", guided_decoding_guide="") is None
+
+
+@pytest.mark.parametrize(
+    ("guide_type", "guide", "field", "value"),
+    [
+        ("json", None, "json_object", True),
+        ("json", "", "json_object", True),
+        ("json_schema", json.dumps(SCHEMA), "json", json.dumps(SCHEMA)),
+        ("regex", "[0-9]{4}", "regex", "[0-9]{4}"),
+        ("ebnf_grammar", "root ::= [0-9]+", "grammar", "root ::= [0-9]+"),
+        ("structural_tag", '{"structures": []}', "structural_tag", '{"structures": []}'),
+    ],
+)
+def test_trtllm_guide_tensors(guide_type: str, guide: str | None, field: str, value: Any) -> None:
+    inputs = {"guided_decoding_guide_type": guide_type}
+    if guide is not None:
+        inputs["guided_decoding_guide"] = guide
+    spec = structured(**inputs)
+    assert spec.kind == field and getattr(spec, field) == value
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (
+            {"sampling_parameters": {"guided_json": SCHEMA, "guided_regex": "x"}},
+            "guided_json, guided_regex: send one structured-output constraint, not 2",
+        ),
+        (
+            {"sampling_parameters": {"structured_outputs": {"regex": "x"}, "guided_choice": ["a"]}},
+            "structured_outputs and guided_choice each ask for structured outputs: send one",
+        ),
+        (
+            {
+                "sampling_parameters": {"guided_decoding": {"regex": "x"}},
+                "guided_decoding_guide_type": "json",
+            },
+            "guided_decoding and guided_decoding_guide_type each ask",
+        ),
+        (
+            {"sampling_parameters": {"structured_outputs": {"regex": "x", "choice": ["a"]}}},
+            "structured_outputs: structured outputs need exactly one of .*got regex, choice",
+        ),
+        ({"sampling_parameters": {"structured_outputs": "{x"}}, "structured_outputs is not valid"),
+        ({"sampling_parameters": {"guided_decoding": [1]}}, "guided_decoding must be an object"),
+        ({"sampling_parameters": {"guided_decoding": {"jsn": {}}}}, "unknown guided_decoding keys"),
+        ({"sampling_parameters": {"guided_choice": "yes"}}, "guided_choice: choice must be a list"),
+        (
+            {"sampling_parameters": {"guided_regex": "a", "guided_decoding_backend": "x:fast"}},
+            "backend option 'fast' is not one of",
+        ),
+        (
+            {
+                "sampling_parameters": {
+                    "structured_outputs": {"regex": "a", "whitespace_pattern": " "},
+                    "guided_whitespace_pattern": "  ",
+                }
+            },
+            "guided_whitespace_pattern and structured_outputs.whitespace_pattern disagree",
+        ),
+        ({"guided_decoding_guide_type": "yaml"}, "guided_decoding_guide_type must be one of json,"),
+        (
+            {"guided_decoding_guide": "[0-9]+"},
+            "guided_decoding_guide needs guided_decoding_guide_t",
+        ),
+        (
+            {"guided_decoding_guide_type": "regex"},
+            "guided_decoding_guide_type regex needs guided_d",
+        ),
+        (
+            {"guided_decoding_guide_type": "json", "guided_decoding_guide": json.dumps(SCHEMA)},
+            "json takes no guide",
+        ),
+    ],
+)
+def test_structured_output_errors_name_the_problem(inputs: dict[str, Any], message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        structured(**inputs)
+
+
+def test_check_refuses_what_does_not_compile_without_a_tokenizer() -> None:
+    from pagedllm.serving.structured import check
+    from pagedllm.structured.params import StructuredOutputsParams
+
+    check(StructuredOutputsParams(json=SCHEMA))
+    for spec, message in [
+        (StructuredOutputsParams(regex="a(b"), "invalid regex constraint: .*unclosed group"),
+        (StructuredOutputsParams(json={"type": "objekt"}), "invalid json constraint: .*objekt"),
+        (StructuredOutputsParams(grammar="root ::= foo"), "invalid grammar constraint"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check(spec)

@@ -7,9 +7,11 @@ vLLM's names. Both may be sent: the JSON object is read first and scalar tensors
 its keys. Unknown JSON keys are rejected (naming them), so a misspelled parameter never
 passes silently. Flags: `stream` (one response per step vs exactly one),
 `exclude_input_in_output`, `return_log_probs` (the chosen tokens' log-probs), `return_timing`
-(queue time and time to first token on the last response). Inside the
-ensemble the `tokenizer` model adds `input_ids` (the prompt's token ids); `text_input` then only
-supplies the prompt text that a non-streamed output starts with.
+(queue time and time to first token on the last response). Structured outputs: vLLM's
+keys in the JSON object or TensorRT-LLM's `guided_decoding_guide_type` / `_guide` tensors
+(`serving.structured`); the engine compiles the constraint. Inside the ensemble the
+`tokenizer` model adds `input_ids` (the prompt's token ids); `text_input` then only supplies
+the prompt text that a non-streamed output starts with.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm.sampling_params import SamplingParams, to_bool
+from pagedllm.serving import structured
 
 # scalar input tensor -> SamplingParams field
 SCALAR_INPUTS = {
@@ -94,11 +97,10 @@ ALL_INPUTS = (
     *TRTLLM_INPUTS,
     *FLAG_INPUTS,
     *VLLM_FLAGS,
+    *structured.GUIDE_INPUTS,
 )
 
 Getter = Callable[[str], "np.ndarray | None"]
-# vLLM's structured-output keys: named in the refusal rather than as unknown parameters
-GUIDED = {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 # sequences per request (n, num_return_sequences)
 MAX_N = 64
 # sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
@@ -201,9 +203,7 @@ def parse_request(get: Getter) -> GenerateRequest:
     for name, bit in VLLM_FLAGS.items():
         if name in flags:
             extra |= Extra.VLLM | (bit if flags[name] else Extra.NONE)
-    guided = sorted(GUIDED & values.keys())
-    if guided:
-        raise RequestError(f"{', '.join(guided)}: structured outputs are not supported yet")
+    _structured(get, values)
     _trtllm(get, values)
     if flags.get("return_log_probs") and values.get("logprobs") is None:
         values["logprobs"] = 0  # the chosen token's log-prob
@@ -240,6 +240,18 @@ def prompt_ids(ids: np.ndarray | None) -> list[int] | None:
         if not 0 <= i < 2**31:
             raise RequestError(f"input_ids[{k}] = {i} is not a token id")
     return flat
+
+
+def _structured(get: Getter, values: dict[str, Any]) -> None:
+    """Structured outputs in vLLM's and TensorRT-LLM's spellings (`serving.structured`)."""
+    guide_type, guide = (
+        None if (a := get(name)) is None else str(_single(name, a))
+        for name in structured.GUIDE_INPUTS
+    )
+    try:
+        structured.resolve(values, guide_type, guide)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
 
 def _trtllm(get: Getter, values: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.serving import structured
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Tensors
 from pagedllm.serving.text_models import OPTIONAL, DetokenizerModel, TokenizerModel
@@ -47,6 +48,7 @@ FORWARDED = (
     "exclude_input_in_output",
     "stream",
     "return_log_probs",
+    *structured.GUIDE_INPUTS,
 )
 WORD_LISTS = ("stop_words", "bad_words")
 # read here, not by the engine
@@ -200,6 +202,11 @@ class BlsModel:
                 inputs[name] = kept
         trt_greedy(inputs)
         request = parse_request(inputs.get)  # its errors now, before any item runs
+        if (spec := request.params.structured_outputs) is not None:
+            try:  # (the engine would refuse it, but maybe after another item has streamed)
+                structured.check(spec)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         inputs["input_ids"] = self.tokenizer.handle(inputs.get)["input_ids"]
         return BlsItem(
             index=index,

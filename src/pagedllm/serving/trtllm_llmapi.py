@@ -6,6 +6,9 @@ As upstream's default (model.yaml `max_batch_size: 0`, `decoupled: False`): one 
 from `sampling_param_*` inputs with the LLM API's defaults: `max_tokens` 32, and greedy when
 temperature, top_k and top_p are all absent, or when top_k is 1, top_p 0 or temperature 0.
 The prompt leads `text_output` unless `sampling_param_exclude_input_from_output`.
+Structured outputs: upstream's model has no input for them; this one takes TensorRT-LLM's
+`guided_decoding_guide_type` + `guided_decoding_guide`, as its `ensemble` and
+`tensorrt_llm_bls` models do (`serving.structured`).
 
 A request with `stop=true` stops every request in flight under the same Triton request id
 (upstream: by id, whoever sent it) and is itself answered `CANCELLED` "Request cancelled by
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pagedllm.serving import structured
 from pagedllm.serving.codec import Getter, RequestError
 from pagedllm.serving.engine_stream import Tensors
 from pagedllm.serving.errors import error_code
@@ -165,6 +169,9 @@ class LlmApiModel:
             if (array := get(f"sampling_param_{name}")) is not None:
                 inputs[engine_name] = array
         inputs.setdefault("max_tokens", np.array([DEFAULT_MAX_TOKENS], dtype=np.int32))
+        for name in structured.GUIDE_INPUTS:  # TensorRT-LLM's other models' names
+            if (array := get(name)) is not None:
+                inputs[name] = array
         stops = words(get, "sampling_param_stop")
         if stops is not None:
             inputs["stop_words"] = stops
