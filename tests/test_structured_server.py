@@ -73,7 +73,7 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[str], bool]]] = {
     "schema": ({"json": SCHEMA, "disable_any_whitespace": True}, is_json(SCHEMA)),
     "small": ({"json": SMALL}, is_json(SMALL)),
     "object": ({"json_object": True}, is_json(None)),
-    "objectTIGHT": ({"json_object": True, "disable_any_whitespace": True}, is_json(None)),
+    "object_tight": ({"json_object": True, "disable_any_whitespace": True}, is_json(None)),
     "regex": ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) is not None),
     "choice": ({"choice": CHOICES}, lambda t: t in CHOICES),
     "grammar": ({"grammar": GBNF}, lambda t: re.fullmatch(GBNF_TEXT, t) is not None),
@@ -186,7 +186,7 @@ def guide(case: str) -> tuple[str, str]:
         ("schema", lambda c: {"guided_json": SCHEMA, "guided_decoding_backend": TIGHT}, False),
         ("choice", lambda c: {"guided_choice": CHOICES}, True),
         (
-            "objectTIGHT",
+            "object_tight",
             lambda c: {"guided_json_object": True, "guided_decoding_backend": TIGHT},
             True,
         ),
