@@ -13,7 +13,6 @@ from typing import Any
 
 import jsonschema
 import llguidance
-import llguidance.torch
 import pytest
 import torch
 
@@ -84,13 +83,12 @@ def reference(
             "regex" if "regex" in spec else "grammar", spec.get("regex") or spec["grammar"]
         )
     matcher = llguidance.LLMatcher(tok, grammar)
-    mask = torch.zeros(1, 12, dtype=torch.int32)
     ids, out, rows = list(prompt), [], []
     for _ in range(max_new):
         with torch.no_grad():
             logits = oracle(torch.tensor([ids])).logits[0, -1].double()
-        llguidance.torch.fill_next_token_bitmask(matcher, mask)
-        allowed = torch.tensor([(int(mask[0, t // 32]) >> (t % 32)) & 1 for t in range(384)])
+        mask = matcher.compute_bitmask()  # little-endian 32-bit words, bit t % 32 of word t // 32
+        allowed = torch.tensor([(mask[t // 8] >> (t % 8)) & 1 for t in range(384)])
         logits = logits.masked_fill(allowed == 0, float("-inf"))
         rows.append(logits.log_softmax(dim=-1))
         token = int(logits.argmax())
@@ -198,12 +196,18 @@ def test_stop_string_inside_a_constrained_output(llm: LLM) -> None:
         ({"regex": "a", "choice": ["a"]}, "exactly one of .*got regex, choice"),
         ({}, "exactly one of .*none given"),
         ({"jsn": {}}, "unknown structured_outputs keys: jsn"),
+        ({"json_object": "false", "regex": "a"}, None),  # a string flag, read as a boolean
+        ({"json_object": "maybe"}, "json_object must be a boolean"),
         ({"structural_tag": {"structures": [], "triggers": ["<x>"]}}, "at least one structure"),
     ],
 )
-def test_bad_constraints_are_refused_before_queueing(
-    spec: dict[str, Any], message: str, llm: LLM
+def test_constraints_are_checked_before_queueing(
+    spec: dict[str, Any], message: str | None, llm: LLM
 ) -> None:
+    if message is None:
+        out = llm.generate(PROMPT, SamplingParams(structured_outputs=spec), use_tqdm=False)
+        assert out[0].outputs[0].text == "a"
+        return
     with pytest.raises(ValueError, match=message):
         llm.generate(PROMPT, SamplingParams(structured_outputs=spec), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -212,7 +216,7 @@ def test_bad_constraints_are_refused_before_queueing(
 def test_structural_tag_constrains_only_after_its_trigger(llm: LLM) -> None:
     from pagedllm.structured.grammar import GrammarCompiler
 
-    compiler = llm.engine._grammars()
+    compiler = llm.engine.grammar_compiler()
     assert isinstance(compiler, GrammarCompiler)
     tag = {
         "type": "structural_tag",
@@ -232,7 +236,7 @@ def test_structural_tag_constrains_only_after_its_trigger(llm: LLM) -> None:
 
 
 def test_compiled_grammars_are_cached(llm: LLM) -> None:
-    compiler = llm.engine._grammars()
+    compiler = llm.engine.grammar_compiler()
     spec = StructuredOutputsParams(regex="[0-9]{5}")
     before = (compiler.hits, compiler.misses)
     first, second = (

@@ -68,6 +68,8 @@ class EngineModel:
             trace_file=trace_file,
             fault_injection=FaultInjection.parse(fault_injection),
         )
+        # the grammar engine reads the vocabulary now, not with the first constrained request
+        self.engine.grammar_compiler()
         self._on_dead = on_dead
         self._stopping = stopping
         self.drain_timeout = drain_timeout

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import llguidance
-import llguidance.torch
 import torch
 
 from pagedllm.structured.grammar import GrammarCompiler
@@ -76,7 +75,8 @@ class GrammarMatchers:
         pin = torch.cuda.is_available()  # copied to the GPU without a sync
         bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32, pin_memory=pin)
         pairs = [(self._sync(r), i) for i, r in todo]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        # NOTE: not `llguidance.torch`, whose import pulls torch.compile's inductor (seconds)
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.words * 4, len(rows))
         return bitmask
 
     def _sync(self, row: MaskRow) -> llguidance.LLMatcher:

@@ -15,15 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-# options that shape a JSON constraint (vLLM's names); `disable_fallback` and `backend` are
-# accepted for vLLM clients and change nothing: there is one grammar engine and no fallback
-OPTIONS = (
-    "disable_any_whitespace",
-    "disable_additional_properties",
-    "whitespace_pattern",
-    "disable_fallback",
-    "backend",
-)
+# the options' flags (vLLM's names); `disable_fallback` and `backend` are accepted for vLLM
+# clients and change nothing: there is one grammar engine and no fallback
+FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 MAX_SPEC_CHARS = 1 << 18  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
 
@@ -43,6 +37,12 @@ class StructuredOutputsParams:
     backend: str | None = None
 
     def __post_init__(self) -> None:
+        from pagedllm.sampling_params import to_bool  # that module imports this one
+
+        for name in ("json_object", *FLAGS):  # "true" / "false" from Triton clients
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, to_bool(name, value))
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             which = f"got {', '.join(given)}" if given else "none given"
