@@ -38,7 +38,9 @@ from pagedllm.openai.streaming import (
     sse_body,
     until_disconnect,
 )
+from pagedllm.openai.structured import Constraint
 from pagedllm.openai.tokens import TokenTexts
+from pagedllm.openai.tools import ToolUse, template_inputs
 from pagedllm.openai.triton import Generation, TritonBridge, TritonError
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -104,12 +106,15 @@ class Gateway:
         prompts = body.prompts(self.tokens.vocab_size)
         # with echo, log-probs cover the prompt too: vLLM asks for as many alternatives there
         prompt_logprobs = body.logprobs if body.echo else None
-        samples = self._samples(body, prompts, body.max_tokens, body.logprobs, prompt_logprobs)
+        extra = _structured(body.constraint)
+        samples = self._samples(
+            body, prompts, body.max_tokens, body.logprobs, prompt_logprobs, extra
+        )
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else self.tokens.decode(p) for p in prompts]
         builder = CompletionBuilder(self.model_name, self.tokens, body, samples, echo)
-        return await self._answer(request, body, samples, builder, "prompt")
+        return await self._answer(request, body, samples, builder, "prompt", body.constraint)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request, ChatCompletionRequest)
@@ -120,14 +125,28 @@ class Gateway:
                 "--chat-template FILE)",
                 "messages",
             )
+        tools = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        messages, definitions = template_inputs(
+            body.template_messages(), tools, self.chat_template.accepts_tools
+        )
         try:
-            prompt = self.chat_template.render(body.template_messages())
+            prompt = self.chat_template.render(messages, definitions)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
+        constraint, reads_calls = body.constraint, False
+        extra = {}
+        if tools is not None:
+            specials = self.tokens.special_tokens
+            constraint, reads_calls = tools.resolve(constraint, specials)
+            if reads_calls and tools.keeps_special_tokens(specials):
+                extra["skip_special_tokens"] = False
+        extra.update(_structured(constraint))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        samples = self._samples(body, [prompt], body.output_limit, top)
-        builder = ChatBuilder(self.model_name, self.tokens, body, samples)
-        return await self._answer(request, body, samples, builder, "messages")
+        samples = self._samples(body, [prompt], body.output_limit, top, None, extra)
+        builder = ChatBuilder(
+            self.model_name, self.tokens, body, samples, tools if reads_calls else None
+        )
+        return await self._answer(request, body, samples, builder, "messages", constraint)
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -150,9 +169,11 @@ class Gateway:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> list[Sample]:
         """One Triton request per prompt and sample; `logprobs` / `prompt_logprobs`: the top
-        alternatives per generated / prompt token (None: no log-probs)."""
+        alternatives per generated / prompt token (None: no log-probs); `extra`: more
+        sampling parameters (a constraint's `structured_outputs`)."""
         if len(prompts) * body.n > MAX_CHOICES:
             raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
         samples: list[Sample] = []
@@ -165,6 +186,7 @@ class Gateway:
                     sampling["logprobs"] = logprobs
                 if prompt_logprobs is not None:
                     sampling["prompt_logprobs"] = prompt_logprobs
+                sampling.update(extra or {})
                 samples.append(Sample(len(samples), p, Generation(prompt, sampling)))
         return samples
 
@@ -175,6 +197,7 @@ class Gateway:
         samples: list[Sample],
         builder: Builder,
         prompt_param: str,
+        constraint: Constraint | None = None,
     ) -> Response:
         stream = merged(self.bridge, samples)
         try:
@@ -184,11 +207,15 @@ class Gateway:
             first = await until_disconnect(request, first_chunks(stream, len(samples)))
         except TritonError as e:
             await stream.aclose()
-            raise from_triton(e, prompt_param) from None
+            raise from_triton(e, prompt_param, constraint.param if constraint else None) from None
         except BaseException:
             await stream.aclose()
             raise
         return EventStream(sse_body(builder, samples, first, stream, prompt_param))
+
+
+def _structured(constraint: Constraint | None) -> dict[str, Any]:
+    return {} if constraint is None else {"structured_outputs": constraint.spec}
 
 
 # --- the application -----------------------------------------------------------------------

@@ -7,7 +7,8 @@ config's `bos_token` / `eos_token`; the gateway sends the resulting text to the 
 whose `tokenizer` model encodes it with special tokens added. `transformers` encodes a
 rendered chat without adding them, so when the tokenizer adds special tokens itself (a Llama
 BOS) and the text starts with that BOS, the gateway drops it from the text: the model sees
-one BOS, not two.
+one BOS, not two. A template that uses a `tools` variable (`accepts_tools`) gets the request's
+tools as `apply_chat_template(tools=...)` passes them; `tools` says what the others get.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedllm.text.tokenizer import Tokenizer
@@ -57,6 +59,8 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self.template = env.from_string(source)
+        # the template renders tools itself (`apply_chat_template(tools=...)`'s variable)
+        self.accepts_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.strip_bos = strip_bos and bool(bos_token)
@@ -89,11 +93,15 @@ class ChatTemplate:
             strip_bos=adds_specials,
         )
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opened."""
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opened; `tools`
+        (OpenAI's tool definitions) as `transformers` passes them (None when there are none)."""
         try:
             text = self.template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -44,6 +44,16 @@ _INTERNALS = re.compile(
     r"Traceback|^At:|File \"|(?:^|[\s'\"(=:])/[\w.-]+/|\b[A-Z]\w*(?:Error|Exception)\b", re.M
 )
 
+# the engine's refusals of a structured-output constraint (a schema, regex or grammar it cannot
+# compile); they quote the client's constraint, JSON pointers ('/$defs/a') included
+_CONSTRAINT = re.compile(
+    r"\binvalid (?:json|json_object|regex|choice|grammar|structural_tag) constraint\b"
+    r"|\b(?:json|structural_tag) is not valid JSON\b|\bstructural_tag\b|\bjson must be a JSON"
+    r"|\bconstraint is too large\b|\bstructured outputs\b"
+)
+# what even such a refusal must not show
+_TRACEBACK = re.compile(r"Traceback|^At:|File \"", re.M)
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
@@ -107,10 +117,14 @@ def internal_error(what: str, exc: BaseException | None = None, status: int = 50
     return APIError(status, f"internal error (id {error_id}); the details are in the gateway's log")
 
 
-def from_triton(e: TritonError, prompt_param: str) -> APIError:
+def from_triton(e: TritonError, prompt_param: str, constraint_param: str | None = None) -> APIError:
     """The answer to a failed generation: Triton's message with its status, the parameter it
-    names for a refused request (`prompt_param`: `prompt` or `messages`), 429 with
+    names for a refused request (`prompt_param`: `prompt` or `messages`; `constraint_param`:
+    the field that carried a structured-output constraint the engine refused), 429 with
     `Retry-After` for a busy server, a generic 5xx for a message showing internals."""
+    refused = constraint_param is not None and e.status == 400
+    if refused and _CONSTRAINT.search(e.message) and not _TRACEBACK.search(e.message):
+        return APIError(400, e.message, param=constraint_param)
     if _INTERNALS.search(e.message):
         return internal_error(f"Triton answered {e.status}: {e.message}", status=max(e.status, 500))
     if e.status == 429:

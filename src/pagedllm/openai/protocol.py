@@ -1,8 +1,9 @@
 """OpenAI's request bodies, validated with pydantic.
 
 Unknown fields are refused by name, as OpenAI does; fields that OpenAI has but the `ensemble`
-cannot honour (`suffix`, tools, ...) are refused with a 400 naming the field rather than
-ignored. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+cannot honour (`suffix`, `logit_bias`, ...) are refused with a 400 naming the field rather than
+ignored. Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`)
+are resolved by `structured`, tools by `tools`. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`) are accepted, as vLLM's server does (`extra_body` in the `openai` client).
 Log-probs go up to vLLM's 20 alternatives per token (OpenAI's completions stop at 5). A
 completions `prompt` is a string, a list of strings, a list of token ids or a list of such
@@ -20,6 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedllm.openai.errors import bad_request
+from pagedllm.openai.structured import StructuredRequest
+from pagedllm.openai.tools import MessageToolCall, Tool, ToolChoice
 
 # more samples than this per request are refused (each is its own Triton request)
 MAX_N = 16
@@ -60,8 +63,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Body):
-    """The fields completions and chat completions share."""
+class _SamplingRequest(StructuredRequest):
+    """The fields completions and chat completions share (with the structured-output fields:
+    `response_format`, vLLM's `structured_outputs` and `guided_*`)."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -86,6 +90,9 @@ class _SamplingRequest(_Body):
         """Cross-field checks pydantic's per-field constraints cannot express."""
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        self.check_structured()
+        if self.constraint is not None:
+            check_utf8(self.constraint.spec, self.constraint.param)
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -194,6 +201,8 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result answers this call
 
     def text(self, index: int) -> str | None:
         """The content as one string (text parts joined); other parts are refused."""
@@ -216,9 +225,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
+        check_utf8([t.model_dump() for t in self.tools or []], "tools")
         for i, message in enumerate(self.messages):
             check_utf8(message.model_dump(exclude_none=True), f"messages[{i}]")
         if self.top_logprobs is not None and not self.logprobs:

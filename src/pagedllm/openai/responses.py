@@ -20,6 +20,8 @@ from typing import Any
 
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.openai.tokens import TokenTexts
+from pagedllm.openai.tool_parser import ToolCallParser
+from pagedllm.openai.tools import ToolUse
 from pagedllm.openai.triton import Chunk, Generation, TokenLogprob, TritonError
 
 # what a log-prob of -inf is shown as (JSON has no infinity)
@@ -210,9 +212,22 @@ class ChatBuilder(Builder):
         tokens: TokenTexts,
         body: ChatCompletionRequest,
         samples: list[Sample],
+        tools: ToolUse | None = None,
     ) -> None:
         super().__init__(model_name, tokens, body, samples, "chatcmpl")
         self.logprobs = body.logprobs
+        self.tools = tools  # the output is read for tool calls
+        # each streamed choice's calls, read as its text comes
+        self.parsers = {s.index: self._parser() for s in samples} if tools else {}
+
+    def _parser(self) -> ToolCallParser:
+        assert self.tools is not None
+        return ToolCallParser(self.tools.parallel)
+
+    @staticmethod
+    def _finish(reason: str | None, parser: ToolCallParser | None) -> str | None:
+        # a generation that ended on its own after calls ends with them (OpenAI's reason)
+        return "tool_calls" if reason == "stop" and parser and parser.calls else reason
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {
@@ -234,20 +249,46 @@ class ChatBuilder(Builder):
         return [self._chunk(s.index, first) for s in self.samples]
 
     def chunk(self, sample: Sample, chunk: Chunk) -> dict[str, Any] | None:
-        if not (chunk.text or chunk.finish_reason or (self.logprobs and chunk.logprobs)):
+        delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
+        parser = self.parsers.get(sample.index)
+        if parser is not None:  # the text goes through the tool-call parser
+            read = parser.feed(chunk.text)
+            if chunk.finish_reason:
+                end = parser.finish()
+                read.content += end.content
+            delta = {"content": read.content} if read.content else {}
+            if read.calls:
+                delta["tool_calls"] = read.calls
+        if not (delta or chunk.finish_reason or (self.logprobs and chunk.logprobs)):
             return None
-        delta = {"delta": {"content": chunk.text} if chunk.text else {}}
         logprobs = self._logprobs(chunk.logprobs) if self.logprobs else None
-        return self._chunk(sample.index, delta, logprobs, chunk.finish_reason or None)
+        finish = self._finish(chunk.finish_reason or None, parser)
+        return self._chunk(sample.index, {"delta": delta}, logprobs, finish)
+
+    def _message(self, sample: Sample) -> tuple[dict[str, Any], str | None]:
+        """A choice's message and finish reason."""
+        text = "".join(sample.text)
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, sample.finish_reason
+        parser = self._parser()
+        parser.feed(text)
+        parser.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": parser.content}
+        if parser.calls:
+            message["tool_calls"] = [call.message() for call in parser.calls]
+        return message, self._finish(sample.finish_reason, parser)
 
     def final(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": s.index,
-                "message": {"role": "assistant", "content": "".join(s.text)},
-                "logprobs": self._logprobs(s.logprobs) if self.logprobs else None,
-                "finish_reason": s.finish_reason,
-            }
-            for s in self.samples
-        ]
+        choices = []
+        for s in self.samples:
+            message, finish = self._message(s)
+            logprobs = self._logprobs(s.logprobs) if self.logprobs else None
+            choices.append(
+                {
+                    "index": s.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+            )
         return {**self._head("chat.completion"), "choices": choices, "usage": usage(self.samples)}

@@ -50,6 +50,9 @@ class TokenTexts:
             self.vocab_size = rows  # an id must have an embedding row too
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+        added = self._pieces.get_added_tokens_decoder().values()
+        # the tokenizer's special tokens (a text output skips them)
+        self.special_tokens = frozenset(t.content for t in added if t.special)
 
     def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
