@@ -74,23 +74,31 @@ def test_ban_keeps_a_row_that_would_be_empty() -> None:
     assert bitmask[1].tolist() == [0b010, 0]  # the grammar's only token stays
 
 
-def test_a_token_the_grammar_refuses_is_a_violation(checkpoints: dict[str, Path]) -> None:
+def test_a_token_the_grammar_refuses_fails_that_request_only(
+    checkpoints: dict[str, Path],
+) -> None:
     from pagedllm.structured.grammar import GrammarCompiler
-    from pagedllm.structured.matchers import GrammarMatchers, GrammarViolation
+    from pagedllm.structured.matchers import GrammarMatchers
     from pagedllm.text import Tokenizer
 
     tok = Tokenizer.from_model_dir(checkpoints["llama"])
     matchers = GrammarMatchers(GrammarCompiler(tok.to_json(), 384, [1]))
     params = SamplingParams(structured_outputs={"choice": ["fox"]})
     row = SimpleNamespace(request_id="r", params=params, output_token_ids=[])
+    other = SimpleNamespace(request_id="o", params=params, output_token_ids=[])
     free = SimpleNamespace(request_id="f", params=SamplingParams(), output_token_ids=[])
-    bitmask = matchers.fill([free, row])
-    assert bitmask is not None and bitmask.shape == (2, 12)
-    assert bitmask[0].eq(-1).all() and not bitmask[1].eq(-1).all()
+    masks = matchers.fill([free, row])
+    assert masks is not None and masks.bitmask.shape == (2, 12) and not masks.failed
+    assert masks.bitmask[0].eq(-1).all() and not masks.bitmask[1].eq(-1).all()
     assert matchers.fill([free]) is None
     row.output_token_ids = tok.encode("dog", add_special_tokens=False)
-    with pytest.raises(GrammarViolation, match="request r left its grammar"):
-        matchers.fill([row])
+    masks = matchers.fill([row, other])
+    assert masks is not None and list(masks.failed) == ["r"]
+    assert masks.failed["r"].startswith("the structured-output constraint failed")
+    assert not masks.bitmask[1].eq(-1).all()  # the other request's mask is filled
+    # every constrained row failed: nothing to fill
+    masks = matchers.fill([row])
+    assert masks is not None and list(masks.failed) == ["r"]
     matchers.close()
 
 

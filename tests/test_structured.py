@@ -245,3 +245,116 @@ def test_compiled_grammars_are_cached(llm: LLM) -> None:
     )
     assert first is second
     assert (compiler.hits, compiler.misses) == (before[0] + 1, before[1] + 1)
+
+
+def test_bad_words_cannot_empty_a_grammar(checkpoints: dict[str, Path]) -> None:
+    """Bad words ban inside the grammar's mask, which they must not empty: two such
+    requests at once neither fail nor poison the engine."""
+    llm = LLM(str(checkpoints["llama"]), dtype="float32")
+    so = {"choice": ["Bonjour", "Paged attention"]}
+    params = SamplingParams(
+        temperature=0, max_tokens=20, bad_words=["Bonjour"], structured_outputs=so
+    )
+    outs = llm.generate([PROMPT, PROMPT + " again"], params, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text in so["choice"]
+    assert llm.engine.dead_reason is None and not llm.engine.request_errors
+    # a ban of the grammar's only way on is overruled
+    only = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        bad_words=["Bonjour"],
+        structured_outputs={"choice": ["Bonjour"]},
+    )
+    (out,) = llm.generate(PROMPT, only, use_tqdm=False)
+    assert out.outputs[0].text == "Bonjour" and out.outputs[0].finish_reason == "stop"
+
+
+def test_a_grammar_past_the_engines_limits_fails_alone(checkpoints: dict[str, Path]) -> None:
+    """A schema whose parser outgrows llguidance's limits after its first token: that
+    request is aborted with an error naming the limit; a request beside it goes on."""
+    llm = LLM(str(checkpoints["llama"]), dtype="float32")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.engine.add_request(
+        "wide", PROMPT, SamplingParams(max_tokens=8, structured_outputs={"json": wide})
+    )
+    llm.engine.add_request("free", PROMPT, greedy)
+    finished = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["wide"].outputs[0].finish_reason == "abort"
+    assert "max is 2000" in str(llm.engine.request_errors["wide"])
+    assert finished["free"].outputs[0].finish_reason == "length"
+    assert len(finished["free"].outputs[0].token_ids) == 8
+    assert llm.engine.dead_reason is None
+
+
+def test_ignore_eos_does_not_skip_min_tokens_under_a_grammar(llm: LLM) -> None:
+    so = {"regex": "[a-z]{1,12}"}
+    params = SamplingParams(
+        temperature=0, max_tokens=30, min_tokens=6, ignore_eos=True, structured_outputs=so
+    )
+    (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) >= 6 and re.fullmatch("[a-z]{1,12}", out.outputs[0].text)
+
+
+DEEP_CHAIN = r"""
+import sys
+from pagedllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32")
+chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(4000)) + '\nr4000: "c"'
+refs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}
+refs["d3000"] = {"type": "integer", "minimum": 0, "maximum": 9}
+schema = {"$defs": refs, "$ref": "#/$defs/d0"}
+for so in ({"grammar": chain}, {"json": schema}):
+    out = llm.generate("x", SamplingParams(temperature=0, max_tokens=4, structured_outputs=so))
+    print(repr(out[0].outputs[0].text))
+"""
+
+
+def test_long_rule_chains_compile_without_crashing(checkpoints: dict[str, Path]) -> None:
+    """llguidance's compiler recurses per link of a rule or $ref chain: thousands overflow a
+    thread's default stack (SIGSEGV, the whole server). Compiles run on a big stack; here in
+    a child process, so a regression fails this test rather than the test run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", DEEP_CHAIN, str(checkpoints["llama"])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split()
+    assert lines[0] == "'c'" and re.fullmatch(r"'[0-9]'", lines[1])
+
+
+def test_deep_schemas_are_refused_by_depth(llm: LLM) -> None:
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for so in (
+        {"json": deep, "disable_additional_properties": True},
+        {"json": json.dumps(deep)},
+    ):
+        with pytest.raises(ValueError, match="json is nested too deeply"):
+            llm.generate(PROMPT, SamplingParams(structured_outputs=so), use_tqdm=False)
+
+
+def test_the_cache_is_bounded_by_size(checkpoints: dict[str, Path]) -> None:
+    from pagedllm.structured.grammar import GrammarCompiler
+    from pagedllm.text import Tokenizer
+
+    tok = Tokenizer.from_model_dir(checkpoints["llama"])
+    compiler = GrammarCompiler(tok.to_json(), 384, [EOS], cache_size=100, cache_chars=200)
+    specs = [StructuredOutputsParams(regex=f"[a-z]{{{i}}}" + "x" * 40) for i in range(1, 9)]
+    for spec in specs:
+        compiler.compile(spec)
+    assert 1 <= len(compiler._cache) <= 4  # 200 characters of keys of ~60
+    compiler.compile(specs[-1])
+    assert compiler.hits == 1

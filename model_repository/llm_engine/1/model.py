@@ -16,9 +16,9 @@ import contextlib  # noqa: E402
 import locale  # noqa: E402
 
 # Isolated mode also leaves the C locale, so files opened without an encoding are read as
-# ASCII: the first structured-output request imports llguidance.torch, whose torch.compile
-# reads torch's UTF-8 inductor templates ("'ascii' codec can't decode byte 0xe2"). Python's
-# own startup coerces the C locale to UTF-8 (PEP 538); so does this model.
+# ASCII (torch.compile's inductor, for one, reads UTF-8 templates that way: "'ascii' codec
+# can't decode byte 0xe2"). Python's own startup coerces the C locale to UTF-8 (PEP 538);
+# so does this model.
 with contextlib.suppress(locale.Error):  # no such locale here: keep the default
     locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
 

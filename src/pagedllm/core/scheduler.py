@@ -69,6 +69,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request -> (position of the first prompt token scored, one entry per scored token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # requests that cannot go on (their grammar failed) -> why; their tokens are not kept
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 TokenLogprobs = tuple[list[int], list[float], float, int]

@@ -30,6 +30,11 @@ class RequestFailedError(RuntimeError):
     """One request failed in the model runner; the engine and the other requests go on."""
 
 
+class GrammarFailedError(ValueError):
+    """A request's structured-output constraint failed while it ran (it went past the
+    grammar engine's limits): the request's fault, not the server's."""
+
+
 class InjectedFault(RuntimeError):
     """Raised by `FaultInjection` (a test hook); `fatal` ones read as a broken device."""
 

@@ -13,6 +13,7 @@ from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, Scheduler, S
 from pagedllm.engine.faults import (
     EngineDeadError,
     FaultInjection,
+    GrammarFailedError,
     RequestFailedError,
     describe,
     find_culprits,
@@ -79,7 +80,7 @@ class LLMEngine:
         execute = self.runner.execute
         self._execute = execute if fault_injection is None else fault_injection.wrap(execute)
         # requests a fault failed (parent id -> error), for the caller to take after a step
-        self.request_errors: dict[str, RequestFailedError] = {}
+        self.request_errors: dict[str, RequestFailedError | GrammarFailedError] = {}
         # set when the engine is poisoned (see `engine.faults`): why
         self.dead_reason: str | None = None
         # request id -> (its output tokens at its latest rollback, rollbacks in a row there)
@@ -106,12 +107,14 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_logprobs_cap(self.max_logprobs)
-        if params.structured_outputs is not None:  # a bad schema is refused here, not later
-            self.grammar_compiler().compile(params.structured_outputs)
         if params.bad_words or params.bad_words_ids:
             params = dataclasses.replace(params)  # the caller's object stays as it was
             params.update_from_tokenizer(self._encode_word, vocab)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        grammar = None
+        if params.structured_outputs is not None:  # a bad schema is refused here, not later
+            # (a server compiles on the request's own thread first: this is a cache hit)
+            grammar = self.grammar_compiler().compile(params.structured_outputs)
         eos = frozenset(self.config.model.eos_token_ids)
         now = arrival_time or time.monotonic()
         children = [
@@ -127,6 +130,9 @@ class LLMEngine:
         ]
         for child in children:
             self.scheduler.add_request(child)
+            if grammar is not None:
+                assert self.runner.grammars is not None
+                self.runner.grammars.start(child.request_id, grammar.deep_copy())
             if self.tracer is not None:
                 self.tracer.event("queued", child.request_id, prompt_tokens=len(token_ids))
         self.output_processor.add_request(request_id, text, children)
@@ -186,6 +192,7 @@ class LLMEngine:
             result = self._execute(sched)
         except Exception as e:
             return self._recover(sched, e)
+        failed = self._fail_grammars(result.failed)  # before their tokens are applied
         changed = self.scheduler.update_from_output(sched, result)
         now = time.monotonic()
         for request in changed:
@@ -199,6 +206,19 @@ class LLMEngine:
         if self.tracer is not None:
             self._trace_step(sched, changed, now - start)
         self._record_finished(now)
+        return failed + outputs
+
+    def _fail_grammars(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Abort the requests whose grammar failed in the runner (all their samples)."""
+        outputs = []
+        for child_id, why in failed.items():
+            parent = self._parent_of(child_id)
+            if parent is None:
+                continue
+            logger.warning("request %s stopped: %s", parent, why)
+            self.request_errors[parent] = GrammarFailedError(why)
+            if (out := self.abort_request(parent)) is not None:
+                outputs.append(out)
         return outputs
 
     def _recover(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:

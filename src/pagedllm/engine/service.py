@@ -165,6 +165,10 @@ class EngineService:
         except ValueError as e:
             _call(cmd.on_error, e)
             return
+        except Exception as e:  # a bug met by one request: that request fails, not the engine
+            logger.exception("adding request %s failed", cmd.request_id)
+            _call(cmd.on_error, e)
+            return
         self._callbacks[cmd.request_id] = (cmd.on_output, cmd.on_error)
 
     def _abort(self, request_id: str) -> None:

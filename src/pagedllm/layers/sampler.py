@@ -30,6 +30,8 @@ class SampleRequest:
     generator: torch.Generator | None
     # token ids masked until `params.min_tokens` outputs exist (EOS + stop_token_ids)
     stop_ids: Sequence[int] = ()
+    # its bans (bad words) are in a grammar's mask already (see `ModelRunner._constrain`)
+    in_mask: bool = False
 
 
 @dataclass
@@ -112,6 +114,8 @@ def bad_word_bans(rows: Sequence[SampleRequest]) -> list[tuple[int, int]]:
     output tokens (not its prompt) end with the rest of the sequence."""
     bans = []
     for i, r in enumerate(rows):
+        if r.in_mask:
+            continue
         out = r.output_token_ids
         for seq in r.params.bad_words_token_ids:
             n = len(seq) - 1

@@ -103,6 +103,12 @@ class EngineModel:
         if self._drain_deadline is not None:
             fail("the engine is shutting down: no new requests", "UNAVAILABLE")
             return
+        if req.params.structured_outputs is not None:
+            try:  # compiled on the request's thread: no engine step waits for it
+                self.engine.grammar_compiler().compile(req.params.structured_outputs)
+            except ValueError as e:
+                fail(str(e), "INVALID_ARG")
+                return
         if not self._admit():
             fail(
                 f"server busy: {self.max_in_flight} requests are in flight"

@@ -131,13 +131,9 @@ def check(spec: StructuredOutputsParams) -> None:
     the engine refuses when the request reaches it; for callers that must refuse before
     any other request runs). Raises ValueError as the engine does: "invalid <kind>
     constraint: ..."."""
-    import llguidance
+    from pagedllm.structured.grammar import validate
 
-    from pagedllm.structured.grammar import to_grammar
-
-    error = llguidance.LLMatcher.validate_grammar(to_grammar(spec))
-    if error:
-        raise ValueError(f"invalid {spec.kind} constraint: {' '.join(error.split())[:1000]}")
+    validate(spec)
 
 
 def _object(key: str, value: Any) -> dict[str, Any] | None:

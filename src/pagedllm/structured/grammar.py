@@ -2,7 +2,12 @@
 docs/structured_outputs.md for why that engine).
 
 A compiled grammar is a pristine `LLMatcher`; each request gets a deep copy, advanced token
-by token (`structured.matchers`). The cache is bounded: least recently used goes first.
+by token (`structured.matchers`). The cache is bounded in entries and in the constraints'
+size (a compiled 200k-character schema holds ~70 MB): least recently used goes first.
+
+NOTE: llguidance's grammar compiler recurses natively once per link of a rule or `$ref`
+chain: a few thousand links overflow a thread's default stack and crash the process. Every
+compile and validation runs on a fresh thread with a large stack (`on_big_stack`).
 """
 
 from __future__ import annotations
@@ -10,13 +15,42 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import llguidance
 
-from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.params import StructuredOutputsParams, check_depth
 
+T = TypeVar("T")
 CACHE_SIZE = 256
+CACHE_CHARS = 1 << 20  # the cached constraints' text, in all
+COMPILE_STACK = 256 << 20  # bytes of stack for a compile (virtual memory, reserved only)
+_stack_lock = threading.Lock()
+
+
+def on_big_stack(fn: Callable[[], T]) -> T:
+    """`fn()` on a new thread with a `COMPILE_STACK`-byte stack; its result or its error."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:
+            box.append((False, e))
+
+    with _stack_lock:  # the stack size is process-wide, for threads started after it is set
+        previous = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile")
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class GrammarCompiler:
@@ -29,6 +63,7 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: list[int],
         cache_size: int = CACHE_SIZE,
+        cache_chars: int = CACHE_CHARS,
     ) -> None:
         """`tokenizer_json`: the HF `tokenizers` tokenizer as JSON (`Tokenizer.to_str()`);
         `vocab_size`: the model's logits width (it may exceed the tokenizer's vocabulary);
@@ -41,6 +76,8 @@ class GrammarCompiler:
         self.special_tokens = frozenset(t["content"] for t in added if t.get("special"))
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_chars = cache_chars
+        self._chars = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -54,22 +91,51 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return matcher
+        matcher = on_big_stack(lambda: self._build(spec))
+        with self._lock:
+            self.misses += 1
+            if key not in self._cache:
+                self._cache[key] = matcher
+                self._chars += len(key)
+            while len(self._cache) > self._cache_size or (
+                self._chars > self._cache_chars and len(self._cache) > 1
+            ):
+                old_key, _ = self._cache.popitem(last=False)
+                self._chars -= len(old_key)
+        return matcher
+
+    def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(
             self.tokenizer, to_grammar(spec, self.special_tokens), log_level=0
         )
         if matcher.is_error():
-            message = " ".join(matcher.get_error().split())[:1000]
-            raise ValueError(f"invalid {spec.kind} constraint: {message}")
-        with self._lock:
-            self.misses += 1
-            self._cache[key] = matcher
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            raise ValueError(f"invalid {spec.kind} constraint: {_message(matcher)}")
+        # the first mask builds the lexer: a grammar beyond the engine's limits fails here,
+        # before the request is queued, not in the middle of its output
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(
+                f"the {spec.kind} constraint is too complex for the grammar engine:"
+                f" {_message(probe)}"
+            )
         return matcher
 
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher for one request (a copy of the compiled grammar)."""
         return self.compile(spec).deep_copy()
+
+
+def _message(matcher: llguidance.LLMatcher) -> str:
+    return " ".join(matcher.get_error().split())[:1000]
+
+
+def validate(spec: StructuredOutputsParams) -> None:
+    """Refuse a constraint that does not compile, without a tokenizer (for a caller with
+    no engine): ValueError "invalid <kind> constraint: ...", as `GrammarCompiler.compile`."""
+    error = on_big_stack(lambda: llguidance.LLMatcher.validate_grammar(to_grammar(spec)))
+    if error:
+        raise ValueError(f"invalid {spec.kind} constraint: {' '.join(error.split())[:1000]}")
 
 
 def to_grammar(spec: StructuredOutputsParams, special_tokens: frozenset[str] = frozenset()) -> str:
@@ -109,27 +175,43 @@ def _json_value(name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
+        parsed = json.loads(value)
     except json.JSONDecodeError as e:
         raise ValueError(f"{name} is not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError(f"{name} is nested too deeply") from None
+    check_depth(name, parsed)
+    return parsed
 
 
 def _no_additional_properties(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema with `additionalProperties: false` on every object that does not say."""
+    """The schema with `additionalProperties: false` on every object schema that does not
+    say; only subschemas are visited (not `const`, `enum` or `default` values)."""
 
     def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(v) for v in node]
         if not isinstance(node, dict):
             return node
-        out = {k: walk(v) for k, v in node.items()}
+        out = dict(node)
+        for key in _SUBSCHEMA:
+            if isinstance(out.get(key), dict):
+                out[key] = walk(out[key])
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [walk(v) for v in out[key]]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {k: walk(v) for k, v in out[key].items()}
         if out.get("type") == "object" or "properties" in out:
             out.setdefault("additionalProperties", False)
         return out
 
     return dict(walk(schema))
+
+
+# JSON Schema keywords whose value is a subschema, a list of them, or a map of them
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
 def _structural_tag_grammar(tag: Any, special_tokens: frozenset[str]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import llguidance
@@ -21,9 +21,13 @@ from pagedllm.structured.grammar import GrammarCompiler
 from pagedllm.structured.params import StructuredOutputsParams
 
 
-class GrammarViolation(ValueError):
-    """A request's tokens left its grammar (the mask allowed no token for it, or a token
-    came from elsewhere); the request cannot go on."""
+@dataclass
+class Masks:
+    """A step's token bitmask, (rows, words) int32 on the CPU, and the requests whose
+    grammar failed (request id -> why)."""
+
+    bitmask: torch.Tensor
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,42 +61,63 @@ class GrammarMatchers:
         # one thread fills the next mask while the model's forward pass runs
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
+    def start(self, request_id: str, matcher: llguidance.LLMatcher) -> None:
+        """A request's own matcher (a copy of its compiled grammar), made when it arrives:
+        the mask thread never compiles."""
+        self._states[request_id] = _State(matcher)
+
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
-    def submit(self, rows: Sequence[MaskRow]) -> Future[torch.Tensor | None]:
+    def submit(self, rows: Sequence[MaskRow]) -> Future[Masks | None]:
         """`fill(rows)` on the mask thread."""
         return self._pool.submit(self.fill, rows)
 
-    def fill(self, rows: Sequence[MaskRow]) -> torch.Tensor | None:
-        """The (rows, words) int32 bitmask of the tokens each row may sample next (all bits
-        set on unconstrained rows); None when no row is constrained. Raises GrammarViolation
-        naming the first request whose tokens its grammar refuses."""
+    def fill(self, rows: Sequence[MaskRow]) -> Masks | None:
+        """The bitmask of the tokens each row may sample next (all bits set on unconstrained
+        rows), and the requests whose grammar failed (their tokens left it, or it went past
+        the grammar engine's limits): they cannot go on. None when no row is constrained."""
         todo = [(i, r) for i, r in enumerate(rows) if r.params.structured_outputs is not None]
         if not todo:
             return None
         pin = torch.cuda.is_available()  # copied to the GPU without a sync
-        bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32, pin_memory=pin)
-        pairs = [(self._sync(r), i) for i, r in todo]
+        masks = Masks(torch.full((len(rows), self.words), -1, dtype=torch.int32, pin_memory=pin))
+        pairs = []
+        for i, row in todo:
+            matcher = self._sync(row)
+            if isinstance(matcher, str):
+                masks.failed[row.request_id] = matcher
+            else:
+                pairs.append((matcher, i))
         # NOTE: not `llguidance.torch`, whose import pulls torch.compile's inductor (seconds)
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.words * 4, len(rows))
-        return bitmask
+        bitmask = masks.bitmask
+        if pairs:
+            self._executor.unsafe_compute_mask_ptr(
+                pairs, bitmask.data_ptr(), self.words * 4, len(rows)
+            )
+        for matcher, i in pairs:
+            if matcher.is_error():
+                masks.failed[rows[i].request_id] = _failure(matcher)
+        return masks
 
-    def _sync(self, row: MaskRow) -> llguidance.LLMatcher:
-        spec = row.params.structured_outputs
-        assert spec is not None
+    def _sync(self, row: MaskRow) -> llguidance.LLMatcher | str:
+        """The row's matcher, fed the output tokens it has not seen; or why it failed."""
         state = self._states.get(row.request_id)
-        if state is None:
+        if state is None:  # not started by the engine (a direct caller)
+            spec = row.params.structured_outputs
+            assert spec is not None
             state = self._states[row.request_id] = _State(self.compiler.matcher(spec))
-        out = row.output_token_ids  # only ever grows
-        new = list(out[state.consumed :])
+        new = list(row.output_token_ids[state.consumed :])  # the list only ever grows
         if new and not state.matcher.consume_tokens(new):
-            error = state.matcher.get_error()
-            del self._states[row.request_id]
-            raise GrammarViolation(f"request {row.request_id} left its grammar: {error}")
-        state.consumed = len(out)
+            return _failure(state.matcher)
+        state.consumed += len(new)
         return state.matcher
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _failure(matcher: llguidance.LLMatcher) -> str:
+    error = matcher.get_error().split("<state>")[0]  # then the parser's internal state
+    return f"the structured-output constraint failed: {' '.join(error.split())[:500]}"

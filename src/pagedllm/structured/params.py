@@ -19,6 +19,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # clients and change nothing: there is one grammar engine and no fallback
 FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 MAX_SPEC_CHARS = 1 << 18  # a schema, regex or grammar longer than this is refused
+MAX_SPEC_DEPTH = 64  # levels of objects and arrays in a schema or structural tag
 MAX_CHOICES = 1024
 
 
@@ -54,6 +55,8 @@ class StructuredOutputsParams:
             or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError(f"choice must be a list of 1 to {MAX_CHOICES} strings")
+        for name in ("json", "structural_tag"):
+            check_depth(name, getattr(self, name))
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -85,3 +88,15 @@ class StructuredOutputsParams:
         spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
         options = [self.disable_any_whitespace, self.disable_additional_properties]
         return f"{self.kind}:{options}:{self.whitespace_pattern}:{spec}"
+
+
+def check_depth(name: str, value: Any) -> None:
+    """Refuse JSON nested deeper than MAX_SPEC_DEPTH (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list | tuple):
+            if depth > MAX_SPEC_DEPTH:
+                raise ValueError(f"{name} is nested too deeply (more than {MAX_SPEC_DEPTH} levels)")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)

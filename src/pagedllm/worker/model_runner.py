@@ -13,14 +13,20 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.layers.bitmask import apply_token_bitmask_, ban_
-from pagedllm.layers.sampler import Sampler, SampleRequest, SamplingMetadata, prompt_logprobs
+from pagedllm.layers.sampler import (
+    Sampler,
+    SampleRequest,
+    SamplingMetadata,
+    bad_word_bans,
+    prompt_logprobs,
+)
 from pagedllm.model import load_model
 from pagedllm.model.llama import ForwardContext
 from pagedllm.model.rope import rope_cos_sin, rotary_table
 from pagedllm.worker import cuda_graphs
 
 if TYPE_CHECKING:  # llguidance is imported only once a request is constrained
-    from pagedllm.structured.matchers import GrammarMatchers
+    from pagedllm.structured.matchers import GrammarMatchers, Masks
 
 
 class ModelRunner:
@@ -105,26 +111,14 @@ class ModelRunner:
         batch = order_batch(sched.scheduled)
         sampled = [s for s in batch if s.sample]
         # the grammars' next-token masks are filled on their own thread during the forward pass
-        masks = self._fill_masks(sampled)
-        step = self.prepare_inputs(batch)
-        spans = _prompt_logprob_spans(batch, step.query_start_loc)
-        indices = step.logits_indices
-        if spans:
-            extra = [
-                i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
-            ]
-            indices = torch.cat([indices, torch.tensor(extra, device=self.device)])
-        if self.graphs is not None and not spans and self.graphs.can_run(step):
-            logits = self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
-        else:
-            rotary = self.rotary[step.positions].unsqueeze(1)
-            metadata = self.backend.build_metadata(step)
-            ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
-            logits = self.model(step.input_ids, ctx, indices)
+        fill = self._fill_masks(sampled)
+        try:
+            logits, spans = self._forward(batch)
+        finally:  # the mask thread is done with this step's requests before the step ends
+            masks = None if fill is None else fill.result()
         out = RunnerOutput()
         if sampled:
-            bitmask = None if masks is None else masks.result()
-            self._sample(logits[: len(sampled)], sampled, out, bitmask)
+            self._sample(logits[: len(sampled)], sampled, out, masks)
         offset = len(sampled)
         for span in spans:
             s = span.request
@@ -137,7 +131,27 @@ class ModelRunner:
             offset += span.count
         return out
 
-    def _fill_masks(self, sampled: list[ScheduledRequest]) -> Future[torch.Tensor | None] | None:
+    def _forward(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, list[_PromptLogprobSpan]]:
+        """The logits of the sampled rows, then of the prompt positions scored for prompt
+        log-probs (the spans)."""
+        step = self.prepare_inputs(batch)
+        spans = _prompt_logprob_spans(batch, step.query_start_loc)
+        indices = step.logits_indices
+        if spans:
+            extra = [
+                i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
+            ]
+            indices = torch.cat([indices, torch.tensor(extra, device=self.device)])
+        if self.graphs is not None and not spans and self.graphs.can_run(step):
+            return self.graphs.run(step), spans  # a GPU decode step: one CUDA graph replay
+        rotary = self.rotary[step.positions].unsqueeze(1)
+        metadata = self.backend.build_metadata(step)
+        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
+        return self.model(step.input_ids, ctx, indices), spans
+
+    def _fill_masks(self, sampled: list[ScheduledRequest]) -> Future[Masks | None] | None:
         if self.grammars is None or not any(s.params.structured_outputs for s in sampled):
             return None
         return self.grammars.submit(sampled)
@@ -147,27 +161,43 @@ class ModelRunner:
         logits: torch.Tensor,
         batch: list[ScheduledRequest],
         out: RunnerOutput,
-        bitmask: torch.Tensor | None,
+        masks: Masks | None,
     ) -> None:
-        stop_ids = [self._stop_ids(s) if _before_min_tokens(s) else [] for s in batch]
-        if bitmask is not None:  # before the sampler: log-probs are of the masked logits
-            constrained = [i for i, s in enumerate(batch) if s.params.structured_outputs]
-            for i in constrained:  # min_tokens through the mask, which it must not empty
-                ban_(bitmask, i, stop_ids[i])
-                stop_ids[i] = []
-            apply_token_bitmask_(logits, bitmask, constrained)
         rows = [
             SampleRequest(
-                s.params, s.prompt_token_ids, s.output_token_ids, self._generator(s), stop
+                s.params,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                self._generator(s),
+                self._stop_ids(s) if _before_min_tokens(s) else (),
             )
-            for s, stop in zip(batch, stop_ids, strict=True)
+            for s in batch
         ]
+        if masks is not None:  # before the sampler: log-probs are of the masked logits
+            self._constrain(logits, rows, masks)
+            out.failed.update(masks.failed)
         meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
         result = self.sampler(logits, rows, meta)
         for s, token, lp in zip(batch, result.token_ids, result.logprobs, strict=True):
             out.sampled_token_ids[s.request_id] = token
             if lp is not None:
                 out.logprobs[s.request_id] = lp
+
+    def _constrain(self, logits: torch.Tensor, rows: list[SampleRequest], masks: Masks) -> None:
+        """The grammars' masks on their rows. For those rows min_tokens' and bad words' bans
+        go through the mask, which they must not empty: the grammar wins (a complete grammar
+        allows only EOS). EOS ends a constrained request whatever `ignore_eos` says, so
+        min_tokens holds it back there."""
+        constrained = [i for i, r in enumerate(rows) if r.params.structured_outputs]
+        eos = self.config.model.eos_token_ids
+        for i in constrained:
+            r = rows[i]
+            early = len(r.output_token_ids) < r.params.min_tokens
+            bans = [*eos, *r.params.stop_token_ids] if early else []
+            bans += [t for _, t in bad_word_bans([r])]
+            ban_(masks.bitmask, i, bans)
+            r.stop_ids, r.in_mask = (), True
+        apply_token_bitmask_(logits, masks.bitmask, constrained)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         if s.seed is None:
