@@ -88,7 +88,7 @@ def test_trtllm_style_inputs() -> None:
         ({"text_input": "x", "sampling_parameters": "[1, 2]"}, "must be a JSON object"),
         ({"text_input": "x", "sampling_parameters": "[" * 10**5}, "nested too deeply"),
         (
-            {"text_input": "x", "sampling_parameters": '{"stop": "' + "a" * 300_000 + '"}'},
+            {"text_input": "x", "sampling_parameters": '{"stop": "' + "a" * 600_000 + '"}'},
             "sampling_parameters is too large",
         ),
         (

@@ -104,7 +104,7 @@ Getter = Callable[[str], "np.ndarray | None"]
 # sequences per request (n, num_return_sequences)
 MAX_N = 64
 # sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
-MAX_JSON_CHARS = 1 << 18
+MAX_JSON_CHARS = 1 << 19  # room for a schema of the largest size allowed, escaped
 
 
 class RequestError(ValueError):
