@@ -10,9 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +18,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai_gateway import running_gateway
 from server_metrics import metrics, wait_idle
 from test_server import offline_text
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.openai.chat import ChatTemplate
 from pagedllm.serving.launcher import make_server
-from pagedllm.serving.tritonserver import TritonServer, free_port
+from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.text.tokenizer import Tokenizer
 
 MODEL = "tiny-llama"
@@ -50,6 +49,11 @@ def model_dir(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     """The tiny llama checkpoint with a chat template (a copy: the shared one stays as is)."""
     path = tmp_path_factory.mktemp("openai") / MODEL
     shutil.copytree(checkpoints["llama"], path)
+    return with_chat_template(path)
+
+
+def with_chat_template(path: Path) -> Path:
+    """The checkpoint at `path`, its tokenizer_config.json given CHAT_TEMPLATE."""
     config = {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
@@ -67,31 +71,12 @@ def gateway(
     server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """`pagedllm openai` as a subprocess; its base URL (http://127.0.0.1:PORT)."""
-    port = free_port()
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", server.grpc_url]
-    cmd += ["--port", str(port), "--model-dir", str(model_dir)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+    with running_gateway(server, model_dir, log) as url:
         # the first request through a fresh server is slow (lazy set-up along the pipeline)
         warm_up = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}
         assert httpx.post(f"{url}/v1/completions", json=warm_up, timeout=60).status_code == 200
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")

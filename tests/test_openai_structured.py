@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -24,13 +20,14 @@ import jsonschema
 import openai
 import pytest
 import test_openai
+from openai_gateway import running_gateway
 from pydantic import BaseModel, Field
-from test_openai import CHAT_TEMPLATE, MODEL
 from test_openai import MESSAGES as _MESSAGES
+from test_openai import MODEL, with_chat_template
 from test_openai_tools import QWEN_LIKE, TOOLS, WEATHER, hf_render
 
 from conftest import make_checkpoint
-from pagedllm.serving.tritonserver import TritonServer, free_port
+from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.text.tokenizer import Tokenizer
 
 MESSAGES: Any = _MESSAGES  # the clients' message types are TypedDicts
@@ -69,9 +66,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = make_checkpoint(
         tmp_path_factory.mktemp("structured") / MODEL, "llama", max_position_embeddings=2048
     )
-    config = {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return with_chat_template(path)
 
 
 @pytest.fixture(scope="module")
@@ -81,28 +76,9 @@ def native_client(
     """A second gateway on the same server, with the Qwen2.5-style template (tools native)."""
     work = tmp_path_factory.mktemp("native")
     (work / "qwen.jinja").write_text(QWEN_LIKE)
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", server.grpc_url]
-    cmd += ["--port", str(port), "--model-dir", str(model_dir)]
-    cmd += ["--chat-template", str(work / "qwen.jinja")]
-    with open(work / "gateway.log", "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+    args = ("--chat-template", str(work / "qwen.jinja"))
+    with running_gateway(server, model_dir, work / "gateway.log", *args) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def chat(client: openai.OpenAI, stream: bool = False, **kwargs: Any) -> Any:
@@ -196,7 +172,8 @@ ENGINE_REFUSALS = [
 @pytest.mark.parametrize("case", ENGINE_REFUSALS, ids=[c[0] for c in ENGINE_REFUSALS])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_answer_400(gateway: str, case: tuple[str, Any, str], stream: bool) -> None:
-    """The engine refuses the constraint before it generates: a plain 400 naming the field."""
+    """The engine refuses the constraint before it generates: a plain 400 naming the field (in
+    the message too: the engine's words name the constraint it got, for tools a grammar)."""
     field, value, message = case
     body = {"model": MODEL, "messages": MESSAGES, field: value, "stream": stream}
     if field == "tools":
@@ -205,6 +182,7 @@ def test_bad_constraints_answer_400(gateway: str, case: tuple[str, Any, str], st
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and message in error["message"], error
+    assert error["message"].startswith(f"{field}: "), error
 
 
 # --- tools --------------------------------------------------------------------------------
@@ -314,7 +292,9 @@ def test_auto_and_none(client: openai.OpenAI) -> None:
         out = chat(client, n=2, tools=TOOLS, tool_choice=choice, max_completion_tokens=16)
         for c in out.choices:
             assert c.finish_reason in ("stop", "length", "tool_calls") and c.message.content
-            if c.message.tool_calls:
+            if choice == "none":  # the text is not read for calls
+                assert not c.message.tool_calls and c.finish_reason != "tool_calls", c
+            elif c.message.tool_calls:
                 checked_calls(c.message, {"get_weather", "get_time"})
 
 

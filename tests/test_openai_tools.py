@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ from test_openai import CHAT_TEMPLATE, MODEL
 
 from conftest import TINY, build_tokenizer
 from pagedllm.openai.chat import ChatTemplate
-from pagedllm.openai.errors import APIError
+from pagedllm.openai.errors import APIError, from_triton
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from pagedllm.openai.tool_parser import ToolCallParser
 from pagedllm.openai.tools import NamedToolChoice, Tool, ToolUse, calls_grammar, template_inputs
+from pagedllm.openai.triton import TritonError
 from pagedllm.structured.grammar import GrammarCompiler
-from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.params import MAX_SPEC_CHARS, StructuredOutputsParams
 
 WEATHER: dict[str, Any] = {
     "type": "object",
@@ -291,8 +293,9 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"guided_json": WEATHER, "guided_choice": ["a"]}, "guided_choice", "got guided_json, guided_choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "got structured_outputs.regex, structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs.regex", "got response_format, structured_outputs.regex"),
-    ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "unknown keys jsn"),
-    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "need a constraint"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs", "unknown structured_outputs keys: jsn"),
+    ({"structured_outputs": {"regex": "a", "jsn": 1}}, "structured_outputs.regex", "unknown structured_outputs keys: jsn"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "need exactly one of json"),
     ({"guided_regex": "a", "structured_outputs": {"disable_any_whitespace": "yes"}}, "structured_outputs.disable_any_whitespace", "must be true or false"),
     ({"structured_outputs": {"json": [1]}}, "structured_outputs.json", "must be a JSON schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "is required"),
@@ -303,6 +306,7 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "Input should be"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "two tools are named 'get_weather'"),
+    ({"tools": [TOOLS[1]] * 129}, "tools", "tools: at most 128 tools, got 129"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "foo": 1}}]}, "tools[0].function.foo", "Unrecognized request argument"),
 ]  # fmt: skip
 
@@ -315,6 +319,45 @@ def test_refused_requests(case: tuple[dict[str, Any], str, str]) -> None:
         ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     assert (e.value.status, e.value.param) == (400, param), e.value.message
     assert message in e.value.message
+
+
+def test_tools_refused_fast() -> None:
+    """OpenAI's cap of 128 tools, checked before the names (whose check is linear): a body of
+    50 000 tools is refused at once."""
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(50_000)]
+    body = parse_body(ChatCompletionRequest, chat(tools=tools))
+    start = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        ToolUse.of(body.tools, None, None)
+    assert time.perf_counter() - start < 0.5
+    assert e.value.param == "tools" and "at most 128 tools" in e.value.message
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "f127"}})
+    use = ToolUse.of(body.tools[:128], named, None)
+    assert use is not None and use.choice == "f127"
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tools_too_large_for_the_engine_name_tools(choice: str) -> None:
+    """A tool-call grammar over the engine's size limit: 400 naming `tools`, not the grammar or
+    structural tag the gateway built from them."""
+    values = {"type": "string", "enum": [f"value {i}" for i in range(MAX_SPEC_CHARS // 8)]}
+    parameters = {"type": "object", "properties": {"x": values}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    use = ToolUse.of([Tool.model_validate(t) for t in tools], choice, None)
+    assert use is not None
+    with pytest.raises(APIError) as e:
+        use.constraint(frozenset())
+    assert (e.value.status, e.value.param) == (400, "tools")
+    assert e.value.message.startswith("tools: ") and "too large" in e.value.message
+
+
+def test_engine_refusal_of_the_tools_constraint_names_tools() -> None:
+    """The engine's refusal speaks of the constraint it was sent (a grammar, a structural tag):
+    the answer puts the field the client sent first, `tools` for the tools' grammar."""
+    refusal = TritonError(400, "the structural_tag constraint is too large: 300000 characters")
+    error = from_triton(refusal, "messages", "tools")
+    assert (error.status, error.param) == (400, "tools")
+    assert error.message == f"tools: {refusal.message}"
 
 
 def test_constraints_resolved() -> None:

@@ -110,6 +110,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def parsed_json(text: str, param: str) -> Any:
+    """`text` parsed as JSON; 400 naming `param` for text that is not JSON or nests too deeply
+    for the parser."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+    except RecursionError:
+        raise bad_request(f"{param} is nested too deeply", param) from None
+
+
 def internal_error(what: str, exc: BaseException | None = None, status: int = 500) -> APIError:
     """A generic error for the client; `what` (and `exc`'s traceback) go to the log."""
     error_id = uuid.uuid4().hex[:12]
@@ -124,7 +135,9 @@ def from_triton(e: TritonError, prompt_param: str, constraint_param: str | None 
     `Retry-After` for a busy server, a generic 5xx for a message showing internals."""
     refused = constraint_param is not None and e.status == 400
     if refused and _CONSTRAINT.search(e.message) and not _TRACEBACK.search(e.message):
-        return APIError(400, e.message, param=constraint_param)
+        # the engine names the constraint's kind (a grammar, a structural tag): the message
+        # names the field the client sent it in (`tools` for the tool-call grammar)
+        return APIError(400, f"{constraint_param}: {e.message}", param=constraint_param)
     if _INTERNALS.search(e.message):
         return internal_error(f"Triton answered {e.status}: {e.message}", status=max(e.status, 500))
     if e.status == 429:

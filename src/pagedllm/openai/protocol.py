@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedllm.openai.errors import bad_request
-from pagedllm.openai.structured import StructuredRequest
+from pagedllm.openai.structured import Strict, StructuredRequest
 from pagedllm.openai.tools import MessageToolCall, Tool, ToolChoice
 
 # more samples than this per request are refused (each is its own Triton request)
@@ -55,11 +55,7 @@ def check_utf8(value: Any, param: str) -> None:
             check_utf8(item, f"{param}.{key}")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class StreamOptions(_Body):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -190,7 +186,7 @@ def _token_ids(values: list[Any], param: str, vocab_size: int) -> list[int]:
     return list(values)
 
 
-class TextPart(_Body):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 

@@ -13,15 +13,13 @@ answers 400 naming the field that carried it.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from pagedllm.openai.errors import bad_request
-from pagedllm.structured.params import KINDS, StructuredOutputsParams
+from pagedllm.openai.errors import bad_request, parsed_json
+from pagedllm.structured.params import FLAGS, KINDS, StructuredOutputsParams
 
 # vLLM's older keys for each kind of constraint
 GUIDED = {
@@ -32,7 +30,6 @@ GUIDED = {
 }
 # accepted for vLLM's clients and changing nothing: there is one grammar engine, no fallback
 IGNORED_OPTIONS = ("backend", "disable_fallback")
-_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 
 
 @dataclass(frozen=True)
@@ -44,11 +41,23 @@ class Constraint:
     param: str
 
 
-class _Strict(BaseModel):
+def checked_constraint(spec: dict[str, Any], param: str) -> Constraint:
+    """`spec` checked as the engine checks it (its keys, its kind, its size), before the
+    request is sent; 400 naming `param`, the field that carried it."""
+    try:
+        StructuredOutputsParams.from_dict(spec)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{param}: {e}", param) from None
+    return Constraint(spec, param)
+
+
+class Strict(BaseModel):
+    """A request object: an unknown key, NaN or infinity is a 400."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     name: str
     description: str | None = None
     # `schema` would shadow BaseModel.schema: the field has another name, its alias the key
@@ -56,7 +65,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     # vLLM's structural tag: {"type": "structural_tag", "structures": [...], "triggers": [...]}
@@ -82,7 +91,7 @@ class ResponseFormat(_Strict):
         return None
 
 
-class StructuredRequest(_Strict):
+class StructuredRequest(Strict):
     """The structured-output fields both endpoints accept (vLLM's, besides OpenAI's)."""
 
     response_format: ResponseFormat | None = None
@@ -121,23 +130,15 @@ class StructuredRequest(_Strict):
             message = f"at most one structured output constraint per request, got {names}"
             raise bad_request(message, given[1][0])
         if not given:
-            if options:
-                raise bad_request(
-                    f"structured output options ({', '.join(sorted(options))}) need a "
-                    f"constraint: one of {', '.join(KINDS)}",
-                    "structured_outputs",
-                )
+            if options:  # refused: unknown keys by name, else the missing constraint
+                checked_constraint(options, "structured_outputs")
             return
         param, spec = given[0]
         _check_options(options)
         if "json" in spec and not isinstance(spec["json"], dict):
             raise bad_request(f"{param} must be a JSON schema (an object)", param)
-        spec = {**spec, **options}
-        try:
-            StructuredOutputsParams(**spec)
-        except (ValueError, TypeError) as e:
-            raise bad_request(f"{param}: {e}", param) from None
-        self._constraint = Constraint(spec, param)
+        # unknown keys of `structured_outputs` ride in `options`: the engine's check names them
+        self._constraint = checked_constraint({**spec, **options}, param)
 
     def _structured_outputs(self) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
         """vLLM's `structured_outputs` object: its options, and its constraint (if any) as
@@ -145,10 +146,6 @@ class StructuredRequest(_Strict):
         values = self.structured_outputs
         if values is None:
             return {}, []
-        unknown = sorted(set(values) - _FIELDS)
-        if unknown:
-            message = f"structured_outputs: unknown keys {', '.join(unknown)}"
-            raise bad_request(message, f"structured_outputs.{unknown[0]}")
         options = {
             k: v
             for k, v in values.items()
@@ -163,9 +160,10 @@ class StructuredRequest(_Strict):
 
 
 def _check_options(options: dict[str, Any]) -> None:
+    """JSON's types for the known options (the engine also takes Triton clients' "true")."""
     for name, value in options.items():
         kind = str if name == "whitespace_pattern" else bool
-        if not isinstance(value, kind):
+        if name in (*FLAGS, "whitespace_pattern") and not isinstance(value, kind):
             what = "a string" if kind is str else "true or false"
             raise bad_request(f"{name} must be {what}", f"structured_outputs.{name}")
 
@@ -174,9 +172,4 @@ def _parsed(field: str, value: Any) -> Any:
     """A JSON schema (or structural tag) sent as text is parsed here, for a 400 naming it."""
     if not isinstance(value, str) or not field.endswith(("json", "structural_tag")):
         return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"{field} is not valid JSON: {e}", field) from None
-    except RecursionError:
-        raise bad_request(f"{field} is nested too deeply", field) from None
+    return parsed_json(value, field)

@@ -25,13 +25,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pagedllm.openai.errors import bad_request
-from pagedllm.openai.structured import Constraint
+from pagedllm.openai.errors import bad_request, parsed_json
+from pagedllm.openai.structured import Constraint, Strict, checked_constraint
 from pagedllm.openai.tool_parser import TOOL_CALL_END, TOOL_CALL_START
 
 # the arguments are written as json.dumps writes them (as `tojson` renders them in a prompt)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_ARGUMENTS = {"type": "object"}
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
 # Hermes' / Qwen2.5's tool prompt, for templates that do not render tools themselves
 HERMES_TOOLS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -42,27 +43,23 @@ HERMES_TOOLS = (
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
@@ -106,12 +103,16 @@ class ToolUse:
             if choice is not None and choice != "none":
                 raise bad_request("tool_choice needs tools", "tool_choice")
             return None
-        names = [t.function.name for t in tools]
-        for i, name in enumerate(names):
+        if len(tools) > MAX_TOOLS:
+            raise bad_request(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+        names: set[str] = set()
+        for i, tool in enumerate(tools):
+            name = tool.function.name
             if not name:
                 raise bad_request("a function needs a name", f"tools[{i}].function.name")
-            if name in names[:i]:
+            if name in names:
                 raise bad_request(f"two tools are named {name!r}", f"tools[{i}].function.name")
+            names.add(name)
         parallel = True if parallel is None else parallel
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
@@ -130,8 +131,9 @@ class ToolUse:
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def constraint(self, special_tokens: frozenset[str]) -> Constraint | None:
-        """The grammar of the choice (None for `none`). `special_tokens`: the tokenizer's; a
-        tag that is one is written as that token."""
+        """The grammar of the choice (None for `none`), checked as the engine checks it (400
+        naming `tools`, e.g. too large). `special_tokens`: the tokenizer's; a tag that is one
+        is written as that token."""
         if self.choice == "none":
             return None
         if self.choice == "auto":
@@ -145,9 +147,12 @@ class ToolUse:
                 for t in self.tools
             ]
             tag = {"type": "structural_tag", "structures": structures}
-            return Constraint({"structural_tag": {**tag, "triggers": [TOOL_CALL_START]}}, "tools")
+            return checked_constraint(
+                {"structural_tag": {**tag, "triggers": [TOOL_CALL_START]}}, "tools"
+            )
         tools = [t for t in self.tools if not self.named or t.function.name == self.choice]
-        return Constraint({"grammar": calls_grammar(tools, self.calls, special_tokens)}, "tools")
+        grammar = calls_grammar(tools, self.calls, special_tokens)
+        return checked_constraint({"grammar": grammar}, "tools")
 
     def resolve(
         self, constraint: Constraint | None, special_tokens: frozenset[str]
@@ -235,14 +240,9 @@ def _parsed_calls(index: int, message: dict[str, Any]) -> dict[str, Any]:
 def _arguments(index: int, j: int, arguments: Any) -> Any:
     if not isinstance(arguments, str):
         return arguments if arguments is not None else {}
-    try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError as e:
-        param = f"messages[{index}].tool_calls[{j}].function.arguments"
-        raise bad_request(f"{param} is not valid JSON: {e}", param) from None
-    except RecursionError:
-        param = f"messages[{index}].tool_calls[{j}].function.arguments"
-        raise bad_request(f"{param} is nested too deeply", param) from None
+    if not arguments.strip():
+        return {}
+    return parsed_json(arguments, f"messages[{index}].tool_calls[{j}].function.arguments")
 
 
 def hermes_messages(
