@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.convert import to_bool
 from pagedllm.structured.params import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
@@ -21,24 +22,11 @@ MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 64  # per sequence of bad_words_ids
 DEFAULT_MAX_LOGPROBS = 20
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
     FINAL_ONLY = 2  # one output, when the request finishes
-
-
-def to_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"{name} must be a boolean, got {value!r}")
 
 
 def _to_int(name: str, value: Any) -> int:

@@ -29,7 +29,7 @@ import threading  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from pagedllm.sampling_params import to_bool  # noqa: E402
+from pagedllm.convert import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.engine_model import EngineModel  # noqa: E402
 from pagedllm.serving.metrics import (  # noqa: E402

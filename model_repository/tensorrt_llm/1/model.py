@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from pagedllm.sampling_params import to_bool  # noqa: E402
+from pagedllm.convert import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
 from pagedllm.serving.settings import (  # noqa: E402

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.sampling_params import SamplingParams, to_bool
+from pagedllm.convert import to_bool
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving import structured
 
 # scalar input tensor -> SamplingParams field

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from pagedllm.config import EngineConfig
-from pagedllm.sampling_params import to_bool
+from pagedllm.convert import to_bool
 
 # prompts longer than this many UTF-8 bytes are refused before they are tokenized (a huge
 # prompt would hold the tokenizer for seconds only to be refused for its length)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from typing import Any
 
-from pagedllm.sampling_params import to_bool
+from pagedllm.convert import to_bool
 from pagedllm.structured.params import StructuredOutputsParams
 
 # objects in sampling_parameters (their JSON text is accepted too)

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.convert import to_bool
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # the options' flags (vLLM's names); `disable_fallback` and `backend` are accepted for vLLM
 # clients and change nothing: there is one grammar engine and no fallback
@@ -38,8 +40,6 @@ class StructuredOutputsParams:
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        from pagedllm.sampling_params import to_bool  # that module imports this one
-
         for name in ("json_object", *FLAGS):  # "true" / "false" from Triton clients
             value = getattr(self, name)
             if value is not None:
