@@ -82,8 +82,12 @@ def test_a_token_the_grammar_refuses_fails_that_request_only(
     from pagedllm.text import Tokenizer
 
     tok = Tokenizer.from_model_dir(checkpoints["llama"])
-    matchers = GrammarMatchers(GrammarCompiler(tok.to_json(), 384, [1]))
+    compiler = GrammarCompiler(tok.to_json(), 384, [1])
+    matchers = GrammarMatchers(compiler)
     params = SamplingParams(structured_outputs={"choice": ["fox"]})
+    assert params.structured_outputs is not None
+    for request_id in ("r", "o"):  # as the engine does when a request arrives
+        matchers.start(request_id, compiler.matcher(params.structured_outputs))
     row = SimpleNamespace(request_id="r", params=params, output_token_ids=[])
     other = SimpleNamespace(request_id="o", params=params, output_token_ids=[])
     free = SimpleNamespace(request_id="f", params=SamplingParams(), output_token_ids=[])

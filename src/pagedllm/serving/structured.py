@@ -47,12 +47,6 @@ GUIDE_TYPES = {
     "ebnf_grammar": "grammar",
     "structural_tag": "structural_tag",
 }
-BOOLEANS = (
-    "json_object",
-    "disable_any_whitespace",
-    "disable_additional_properties",
-    "disable_fallback",
-)
 # vLLM's internal GuidedDecodingParams fields, present when a client serializes the dataclass
 IGNORED = ("backend_was_auto", "_backend", "_backend_was_auto")
 # options vLLM (0.8-0.9) read from the backend name, as in "xgrammar:disable-any-whitespace"
@@ -163,10 +157,7 @@ def _given(field: str, value: Any) -> bool:
 
 
 def _params(spec: dict[str, Any]) -> StructuredOutputsParams:
-    spec = dict(spec)
-    for name in BOOLEANS:
-        if name in spec:
-            spec[name] = to_bool(name, spec[name])
+    spec = dict(spec)  # string flags are read by StructuredOutputsParams
     backend = spec.get("backend")
     if isinstance(backend, str) and ":" in backend:
         spec["backend"], _, listed = backend.partition(":")

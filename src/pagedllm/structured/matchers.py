@@ -103,11 +103,7 @@ class GrammarMatchers:
 
     def _sync(self, row: MaskRow) -> llguidance.LLMatcher | str:
         """The row's matcher, fed the output tokens it has not seen; or why it failed."""
-        state = self._states.get(row.request_id)
-        if state is None:  # not started by the engine (a direct caller)
-            spec = row.params.structured_outputs
-            assert spec is not None
-            state = self._states[row.request_id] = _State(self.compiler.matcher(spec))
+        state = self._states[row.request_id]  # started with the request (`start`)
         new = list(row.output_token_ids[state.consumed :])  # the list only ever grows
         if new and not state.matcher.consume_tokens(new):
             return _failure(state.matcher)

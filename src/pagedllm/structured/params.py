@@ -10,6 +10,7 @@ compiles it (that module needs llguidance; this one does not).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """The constraint and its options as text: equal keys compile to the same grammar."""
         value = getattr(self, self.kind)

@@ -195,7 +195,8 @@ class ModelRunner:
             early = len(r.output_token_ids) < r.params.min_tokens
             bans = [*eos, *r.params.stop_token_ids] if early else []
             bans += [t for _, t in bad_word_bans([r])]
-            ban_(masks.bitmask, i, bans)
+            if bans:
+                ban_(masks.bitmask, i, bans)
             r.stop_ids, r.in_mask = (), True
         apply_token_bitmask_(logits, masks.bitmask, constrained)
 
