@@ -276,7 +276,7 @@ def test_gpu_compiled_kernels_match_reference(
 
     from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
-    from pagedllm.layers.attention.triton_kernels import KernelConfig
+    from pagedllm.layers.attention.triton_launch import KernelConfig
 
     requests = [(0, 1), (8, 1), (700, 1), (11, 90), (0, 200), (300, 37)]
     step, num_blocks = make_step(requests, 16, window)

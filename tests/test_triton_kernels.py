@@ -22,6 +22,7 @@ from test_cpu_attention import make_step
 
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
+from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_launch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
@@ -43,7 +44,7 @@ def tk() -> ModuleType:
 def small_tiles(tk: ModuleType, **overrides: int) -> object:
     """Tiles of 16 so that the small test shapes cross several tiles."""
     knobs = dict(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
-    return tk.KernelConfig(**{**knobs, **overrides})
+    return KernelConfig(**{**knobs, **overrides})
 
 
 def to_head_major(ref_cache: torch.Tensor) -> torch.Tensor:
@@ -136,7 +137,7 @@ def test_decode_split_k_matches_reference(
 ) -> None:
     # 8 splits of a 3-tile context: some splits see no key at all
     cfg = small_tiles(tk, max_splits=num_splits, min_split_tokens=1, num_sms=64)
-    assert tk.num_decode_splits(3, 2, 70, cfg) == num_splits
+    assert num_decode_splits(3, 2, 70, cfg) == num_splits
     requests = [(2, 1), (40, 1), (69, 1)]
     out, expected = run_both(
         tk, requests, kv_heads=2, group=2, config=cfg, block_size=16, window=window
@@ -145,8 +146,6 @@ def test_decode_split_k_matches_reference(
 
 
 def test_split_heuristic() -> None:
-    from pagedllm.layers.attention.triton_kernels import KernelConfig, num_decode_splits
-
     cfg = KernelConfig()  # 132 SMs, splits of >= 256 tokens, at most 16
     assert num_decode_splits(256, 8, 8192, cfg) == 1  # the batch fills the GPU
     assert num_decode_splits(1, 8, 8192, cfg) == 32 // 2  # 264 programs wanted, capped at 16
@@ -210,7 +209,24 @@ def test_mixed_batch_dtypes(tk: ModuleType, dtype: torch.dtype, window: int | No
 )
 def test_tile_sizes_do_not_change_results(tk: ModuleType, tiles: dict[str, int]) -> None:
     requests = [(3, 1), (50, 1), (7, 30), (0, 12)]
-    out, expected = run_both(tk, requests, config=tk.KernelConfig(**tiles), head_dim=128)
+    out, expected = run_both(tk, requests, config=KernelConfig(**tiles), head_dim=128)
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_default_launches_match_reference(
+    tk: ModuleType, dtype: torch.dtype, head_dim: int
+) -> None:
+    """The tiles the GPU runs (`decode_launch` / `prefill_launch`, no override): in fp32 at
+    head dim 96 a host tile of 64 rows runs as two programs of 32 (a 70-row chunk fills
+    both programs of its first tile and part of its second)."""
+    cfg = KernelConfig()
+    assert prefill_launch(cfg, dtype, head_dim).block_m == (
+        32 if dtype == torch.float32 and head_dim == 96 else 64
+    )
+    requests = [(40, 1), (5, 70), (0, 3)]
+    out, expected = run_both(tk, requests, config=cfg, head_dim=head_dim, dtype=dtype)
     assert_matches(out, expected)
 
 

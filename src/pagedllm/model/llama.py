@@ -140,6 +140,12 @@ def _add_rms_norm(
     return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps)
 
 
+def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention backend's inputs as strided views of the (N, h + 2 * kvh, head_dim)
+    projection: q (N, h, head_dim) and the new keys/values (N, 2, kvh, head_dim)."""
+    return qkv[:, :h], qkv[:, h:].view(qkv.shape[0], 2, kvh, qkv.shape[2])
+
+
 def _attention(
     x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor, cfg: ModelConfig
 ) -> torch.Tensor:
@@ -147,6 +153,6 @@ def _attention(
     # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
     qkv = F.linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
     cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary)  # q and k, in place, in fp32
-    kv = qkv[:, h:].view(n, 2, kvh, hd)
-    o = ctx.backend.forward(qkv[:, :h], kv, kv_cache, ctx.attn_metadata, hd**-0.5)
+    q, kv = split_qkv(qkv, h, kvh)
+    o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, hd**-0.5)
     return F.linear(o.reshape(n, h * hd), w.o_w, w.o_b)

@@ -205,7 +205,7 @@ def create_graph_runner(runner: ModelRunner) -> CudaGraphRunner | None:
     decode_metadata = getattr(backend, "decode_metadata", None)
     if runner.device.type != "cuda" or config.enforce_eager or decode_metadata is None:
         return None
-    from pagedllm.layers.attention.triton_kernels import num_decode_splits
+    from pagedllm.layers.attention.triton_launch import num_decode_splits
     from pagedllm.model.llama import ForwardContext
 
     sizes = capture_sizes(config.scheduler.max_num_seqs)

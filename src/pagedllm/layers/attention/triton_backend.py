@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.attention import triton_kernels
+from pagedllm.layers.attention import triton_kernels, triton_prefill
 from pagedllm.layers.attention.base import StepInputs
-from pagedllm.layers.attention.triton_kernels import KernelConfig
+from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_tiles
 
 
 def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -69,7 +69,7 @@ class TritonAttentionBackend:
     def build_metadata(self, step: StepInputs) -> TritonAttentionMetadata:
         device = step.input_ids.device
         d, cfg = step.num_decodes, self.kernel_config(device)
-        requests, rows = triton_kernels.prefill_tiles(step.query_start_loc, d, cfg.prefill_block_m)
+        requests, rows = prefill_tiles(step.query_start_loc, d, cfg.prefill_block_m)
         i32 = torch.int32
         return TritonAttentionMetadata(
             slot_mapping=step.slot_mapping,
@@ -121,9 +121,7 @@ class TritonAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = m.num_decodes
         if d:
-            splits = m.num_splits or triton_kernels.num_decode_splits(
-                d, kv.shape[2], m.max_decode_context, cfg
-            )
+            splits = m.num_splits or num_decode_splits(d, kv.shape[2], m.max_decode_context, cfg)
             triton_kernels.paged_decode(
                 out[:d],
                 q[:d],
@@ -136,7 +134,7 @@ class TritonAttentionBackend:
                 cfg,
             )
         if m.tile_request.shape[0]:
-            triton_kernels.paged_prefill(
+            triton_prefill.paged_prefill(
                 out,
                 q,
                 kv_cache,

@@ -1,12 +1,14 @@
 """Paged-attention kernels in the Triton language (the GPU path); see docs/gpu.md.
 
-Three kernels, plus the split-K reduction:
+Three kernels, plus the split-K reduction (this file: the first two; triton_prefill.py):
 
 - `write_kv`: the new keys/values of a step into their cache slots (slot < 0: padding, skipped);
 - `paged_decode`: one query token per request over its block table, the query heads of one KV
   head together (GQA) as the rows of one tile, optionally split over the context (split-K);
 - `paged_prefill`: causal varlen attention of each prefill chunk over its cached prefix plus
   itself, tiles of query rows of one head.
+
+Tiles, warps and stages come from triton_launch.py's table.
 
 Every kernel takes the cache through five strides (block, k/v, kv head, slot in block, dim), so
 any layout whose last dimension is contiguous works: the backend's own head-major layout and a
@@ -22,57 +24,20 @@ widened to fp32 before each dot there (`UPCAST`); fp16 and fp32 run the exact GP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.layers.attention.triton_launch import KernelConfig, decode_launch, pow2
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tunable tile sizes (powers of two, >= 16 for `tl.dot` on a GPU)."""
-
-    decode_block_n: int = 64  # keys per decode iteration
-    prefill_block_m: int = 64  # query rows per prefill program
-    prefill_block_n: int = 64  # keys per prefill iteration
-    max_splits: int = 16  # split-K upper bound for decode
-    min_split_tokens: int = 256  # no split shorter than this
-    num_sms: int = 132  # an H100 SXM; the backend reads the real count on a GPU
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("decode_block_n", "prefill_block_m", "prefill_block_n", "max_splits"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
-            if name != "max_splits" and value < 16:
-                raise ValueError(f"{name} must be >= 16 (tl.dot on a GPU), got {value}")
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
-def _dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
+def dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
     """(UPCAST, input precision): fp32 dots in IEEE fp32 (tf32 would lose greedy parity)."""
     upcast = INTERPRETED and dtype == torch.bfloat16
     return upcast, "ieee" if dtype == torch.float32 else None
-
-
-def num_decode_splits(
-    num_decodes: int, num_kv_heads: int, max_context: int, cfg: KernelConfig
-) -> int:
-    """Split the context only when the (request, kv head) programs cannot fill the GPU, and
-    never into pieces shorter than `min_split_tokens`."""
-    programs = max(1, num_decodes * num_kv_heads)
-    want = -(-2 * cfg.num_sms // programs)  # two waves
-    by_length = -(-max_context // cfg.min_split_tokens)
-    splits = max(1, min(want, by_length, cfg.max_splits))
-    return triton.next_power_of_2(splits)
 
 
 # --- KV-cache write --------------------------------------------------------------------------
@@ -91,31 +56,28 @@ def _write_kv_kernel(
     stride_c_head,
     stride_c_slot,
     block_size,
-    num_kv_heads,
     head_dim,
-    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0)
     which = tl.program_id(1)  # 0 = key, 1 = value
+    head = tl.program_id(2)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     block = slot // block_size
     offset = slot % block_size
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
+    d = tl.arange(0, BLOCK_D)
     # NOTE: the slot test is made on a full tile: the interpreter mistypes `tile & scalar`
-    mask = (h < num_kv_heads) & (d < head_dim) & ((h * 0 + d * 0 + slot) >= 0)
-    src = kv_ptr + tok.to(tl.int64) * stride_kv_tok + which * stride_kv_kv + h * stride_kv_head + d
-    x = tl.load(src, mask=mask)
+    mask = (d < head_dim) & ((d * 0 + slot) >= 0)
+    src = kv_ptr + tok.to(tl.int64) * stride_kv_tok + which * stride_kv_kv + head * stride_kv_head
+    x = tl.load(src + d, mask=mask)
     dst = (
         cache_ptr
         + block * stride_c_block
         + which * stride_c_kv
-        + h * stride_c_head
+        + head * stride_c_head
         + offset * stride_c_slot
-        + d
     )
-    tl.store(dst, x, mask=mask)
+    tl.store(dst + d, x, mask=mask)
 
 
 def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -125,7 +87,7 @@ def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) 
     assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and kv.dtype == cache.dtype
     if n == 0:
         return
-    _write_kv_kernel[(n, 2)](
+    _write_kv_kernel[(n, 2, kv_heads)](
         kv,
         cache,
         slot_mapping,
@@ -134,9 +96,7 @@ def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) 
         kv.stride(2),
         *cache.stride()[:4],
         cache.shape[3],
-        kv_heads,
         head_dim,
-        BLOCK_H=triton.next_power_of_2(kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
@@ -150,9 +110,9 @@ def _decode_kernel(
     cache_ptr,
     block_tables_ptr,  # (R, max_blocks) int32
     context_lens_ptr,  # (R,) int32; 0 = padding row (output 0)
-    out_ptr,  # (D, heads, head_dim), used when NUM_SPLITS == 1
-    part_out_ptr,  # (D, heads, NUM_SPLITS, BLOCK_D) fp32, normalized partial outputs
-    part_lse_ptr,  # (D, heads, NUM_SPLITS) fp32, log2-sum-exp2 of each split's scores
+    out_ptr,  # (D, heads, head_dim), used without SPLIT
+    part_out_ptr,  # (D, heads, splits, BLOCK_D) fp32, normalized partial outputs
+    part_lse_ptr,  # (D, heads, splits) fp32, log2-sum-exp2 of each split's scores
     scale_log2,  # softmax scale * log2(e)
     stride_q_tok,
     stride_q_head,
@@ -167,7 +127,7 @@ def _decode_kernel(
     head_dim,
     group,  # query heads per kv head
     window,  # sliding window (keys in [ctx - window, ctx)); used when USE_WINDOW
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # the context is split over the grid's third axis
     USE_WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -178,13 +138,14 @@ def _decode_kernel(
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens_ptr + r)
     first = 0
     if USE_WINDOW:
         first = tl.maximum(ctx - window, 0)
     # this split's keys [lo, hi): equal shares of whole key tiles
     tiles = (ctx - first + BLOCK_N - 1) // BLOCK_N
-    per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS * BLOCK_N
+    per_split = (tiles + num_splits - 1) // num_splits * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, ctx)
 
@@ -228,7 +189,7 @@ def _decode_kernel(
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]  # rows without keys: 0
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_off = r.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
         tl.store(
             out_ptr + o_off,
@@ -236,7 +197,7 @@ def _decode_kernel(
             mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
-        row = (r.to(tl.int64) * (group * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        row = (r.to(tl.int64) * (group * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=g_mask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
@@ -244,25 +205,28 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_out_ptr,  # (D, heads, NUM_SPLITS, BLOCK_D) fp32
-    part_lse_ptr,  # (D, heads, NUM_SPLITS) fp32
+    part_out_ptr,  # (D, heads, splits, BLOCK_D) fp32
+    part_lse_ptr,  # (D, heads, splits) fp32
     out_ptr,
     stride_o_tok,
     stride_o_head,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    BLOCK_S: tl.constexpr,  # a power of two >= num_splits
     BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
     row = r.to(tl.int64) * tl.num_programs(1) + h
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (padding row)
-    w = tl.exp2(lse - m)  # (NUM_SPLITS,)
-    parts = tl.load(part_out_ptr + (row * NUM_SPLITS + s[:, None]) * BLOCK_D + d[None, :])
+    w = tl.exp2(lse - m)  # (BLOCK_S,): 0 past the splits
+    parts_off = (row * num_splits + s[:, None]) * BLOCK_D + d[None, :]
+    parts = tl.load(part_out_ptr + parts_off, mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     o_off = r.to(tl.int64) * stride_o_tok + h * stride_o_head + d
@@ -291,8 +255,9 @@ def paged_decode(
     assert num_splits >= 1 and not num_splits & (num_splits - 1)
     if d == 0:
         return out
-    block_d = _pow2(head_dim)
-    upcast, precision = _dot_options(q.dtype)
+    block_d = pow2(head_dim)
+    upcast, precision = dot_options(q.dtype)
+    launch = decode_launch(cfg, q.dtype)
     if num_splits > 1:
         part_out = torch.empty(d, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(d, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -317,14 +282,15 @@ def paged_decode(
         head_dim,
         group,
         window or 0,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         USE_WINDOW=window is not None,
-        BLOCK_G=_pow2(group),
-        BLOCK_N=cfg.decode_block_n,
+        BLOCK_G=pow2(group),
+        BLOCK_N=launch.block_n,
         BLOCK_D=block_d,
         UPCAST=upcast,
         PRECISION=precision,
-        num_warps=cfg.num_warps,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(d, heads)](
@@ -334,171 +300,8 @@ def paged_decode(
             out.stride(0),
             out.stride(1),
             head_dim,
-            NUM_SPLITS=num_splits,
+            num_splits,
+            BLOCK_S=pow2(max(num_splits, cfg.max_splits), 1),
             BLOCK_D=block_d,
         )
-    return out
-
-
-# --- prefill / chunked prefill ---------------------------------------------------------------
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr,  # (N, heads, head_dim)
-    cache_ptr,
-    block_tables_ptr,  # (R, max_blocks) int32
-    query_start_ptr,  # (R + 1,) int32
-    context_lens_ptr,  # (R,) int32
-    tile_request_ptr,  # (T,) int32: the request of each query tile
-    tile_row_ptr,  # (T,) int32: the tile's first query row, within its request
-    out_ptr,
-    scale_log2,
-    stride_q_tok,
-    stride_q_head,
-    stride_c_block,
-    stride_c_kv,
-    stride_c_head,
-    stride_c_slot,
-    stride_bt,
-    stride_o_tok,
-    stride_o_head,
-    block_size,
-    head_dim,
-    group,
-    window,  # query at position p sees keys (p - window, p]; used when USE_WINDOW
-    USE_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    r = tl.load(tile_request_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    q_start = tl.load(query_start_ptr + r)
-    q_len = tl.load(query_start_ptr + r + 1) - q_start
-    ctx = tl.load(context_lens_ptr + r)
-    prefix = ctx - q_len  # cached tokens before this chunk
-
-    rows = row0 + tl.arange(0, BLOCK_M)
-    r_mask = rows < q_len
-    q_pos = prefix + rows  # (BLOCK_M,) positions of the queries
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < head_dim
-    tok = (q_start + rows).to(tl.int64)
-    q_off = tok[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    # keys [lo, hi): up to the tile's last query (causal), from its first query's window
-    hi = tl.minimum(ctx, prefix + row0 + BLOCK_M)
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(prefix + row0 - window + 1, 0)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    table = block_tables_ptr + r.to(tl.int64) * stride_bt
-    kv_base = cache_ptr + (head // group) * stride_c_head
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        p_mask = pos < hi
-        block = tl.load(table + pos // block_size, mask=p_mask, other=0).to(tl.int64)
-        slot_off = block * stride_c_block + (pos % block_size) * stride_c_slot
-        kv_off = slot_off[:, None] + d[None, :]
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + stride_c_kv + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = tok[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
-    tl.store(
-        out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :]
-    )
-
-
-def prefill_tiles(
-    query_start_loc: list[int], first_request: int, block_m: int
-) -> tuple[list[int], list[int]]:
-    """(request of each tile, first row of each tile) for requests `first_request...`:
-    computed on the host from the step's lists, so the launch needs no device read."""
-    requests, rows = [], []
-    for r in range(first_request, len(query_start_loc) - 1):
-        q_len = query_start_loc[r + 1] - query_start_loc[r]
-        for row in range(0, q_len, block_m):
-            requests.append(r)
-            rows.append(row)
-    return requests, rows
-
-
-def paged_prefill(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    tile_request: torch.Tensor,
-    tile_row: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    cfg: KernelConfig | None = None,
-) -> torch.Tensor:
-    """Causal attention of every tile's query rows (see `prefill_tiles`, built with
-    `cfg.prefill_block_m`) over its request's first `context_lens[r]` cached slots, the last
-    `q_len` of which are the chunk's own tokens."""
-    cfg = cfg or KernelConfig()
-    _, heads, head_dim = q.shape
-    group = heads // cache.shape[2]
-    num_tiles = tile_request.shape[0]
-    assert q.stride(-1) == 1 and out.stride(-1) == 1 and cache.stride(-1) == 1
-    if num_tiles == 0:
-        return out
-    upcast, precision = _dot_options(q.dtype)
-    _prefill_kernel[(num_tiles, heads)](
-        q,
-        cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        tile_request,
-        tile_row,
-        out,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        *cache.stride()[:4],
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        cache.shape[3],
-        head_dim,
-        group,
-        window or 0,
-        USE_WINDOW=window is not None,
-        BLOCK_M=cfg.prefill_block_m,
-        BLOCK_N=cfg.prefill_block_n,
-        BLOCK_D=_pow2(head_dim),
-        UPCAST=upcast,
-        PRECISION=precision,
-        num_warps=cfg.num_warps,
-    )
     return out

@@ -1,0 +1,109 @@
+"""How the Triton attention kernels are launched (host side, no `triton` import): the
+tunables, the launch table (tiles, warps, pipeline stages by dtype and head dim), the decode
+split-K heuristic and the prefill tiling. See docs/gpu.md."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tunables. The tile sizes left None come from `decode_launch` / `prefill_launch` (by
+    dtype and head dim); set, they apply to every launch (powers of two, >= 16 for `tl.dot`
+    on a GPU)."""
+
+    decode_block_n: int | None = None  # keys per decode iteration
+    prefill_block_m: int = 64  # query rows per prefill tile (the host's tiling)
+    prefill_block_n: int | None = None  # keys per prefill iteration
+    max_splits: int = 16  # split-K upper bound for decode
+    min_split_tokens: int = 256  # no split shorter than this
+    num_sms: int = 132  # an H100 SXM; the backend reads the real count on a GPU
+    num_warps: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("decode_block_n", "prefill_block_m", "prefill_block_n", "max_splits"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+            if name != "max_splits" and value < 16:
+                raise ValueError(f"{name} must be >= 16 (tl.dot on a GPU), got {value}")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's tile sizes and launch options."""
+
+    block_m: int  # query rows per prefill program (decode: 0, its rows are the query heads)
+    block_n: int  # keys per iteration
+    num_warps: int
+    num_stages: int
+
+
+def decode_launch(cfg: KernelConfig, dtype: torch.dtype) -> Launch:
+    """Chosen from the kernel compiled for sm_80 / 89 / 90 / 100 (scripts/kernel_report.py;
+    docs/gpu.md): no register spills on any of them, shared memory within sm_89's 99 KiB."""
+    if dtype == torch.float32:  # (16 x 64) fp32 tiles spill at 4 warps
+        launch = Launch(0, 32, num_warps=8, num_stages=2)
+    else:
+        launch = Launch(0, 64, num_warps=4, num_stages=2)
+    return _override(launch, cfg, cfg.decode_block_n)
+
+
+def prefill_launch(cfg: KernelConfig, dtype: torch.dtype, head_dim: int) -> Launch:
+    """As `decode_launch`. At head dim > 64 (80 / 96 / 128 are padded to 128) the 64-key tile
+    spills, and in fp32 so does the 64-row tile (a host tile of 64 rows then runs as two
+    programs of 32)."""
+    wide = pow2(head_dim) > 64
+    if dtype == torch.float32:  # (3 stages: 2 spill with a window on sm_80)
+        launch = Launch(32 if wide else 64, 32, num_warps=8, num_stages=3 if wide else 2)
+    elif wide:
+        launch = Launch(64, 32, num_warps=8, num_stages=2)
+    else:
+        launch = Launch(64, 64, num_warps=4, num_stages=2)
+    block_m = min(launch.block_m, cfg.prefill_block_m)
+    return _override(dataclasses.replace(launch, block_m=block_m), cfg, cfg.prefill_block_n)
+
+
+def _override(launch: Launch, cfg: KernelConfig, block_n: int | None) -> Launch:
+    return dataclasses.replace(
+        launch,
+        block_n=block_n or launch.block_n,
+        num_warps=cfg.num_warps or launch.num_warps,
+    )
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= n, at least `floor` (`tl.dot` tiles are >= 16)."""
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def num_decode_splits(
+    num_decodes: int, num_kv_heads: int, max_context: int, cfg: KernelConfig
+) -> int:
+    """Split the context only when the (request, kv head) programs cannot fill the GPU, and
+    never into pieces shorter than `min_split_tokens`."""
+    programs = max(1, num_decodes * num_kv_heads)
+    want = -(-2 * cfg.num_sms // programs)  # two waves
+    by_length = -(-max_context // cfg.min_split_tokens)
+    splits = max(1, min(want, by_length, cfg.max_splits))
+    return pow2(splits, 1)
+
+
+def prefill_tiles(
+    query_start_loc: list[int], first_request: int, block_m: int
+) -> tuple[list[int], list[int]]:
+    """(request of each tile, first row of each tile) for requests `first_request...`:
+    computed on the host from the step's lists, so the launch needs no device read."""
+    requests, rows = [], []
+    for r in range(first_request, len(query_start_loc) - 1):
+        q_len = query_start_loc[r + 1] - query_start_loc[r]
+        for row in range(0, q_len, block_m):
+            requests.append(r)
+            rows.append(row)
+    return requests, rows

@@ -1,0 +1,396 @@
+"""Every Triton kernel of the package compiled for real GPUs, with no GPU present.
+
+The kernels are launched through the project's own launchers (the attention backend's
+`forward` over the metadata it builds, the graph runner's fixed-split decode metadata, the
+bitmask launcher) with CPU tensors, under a stand-in driver that answers the GPU target. A
+`jit_cache_hook` records what each launch would compile (Triton's own specialization data:
+signature, constexprs, alignment attributes, options) and skips the launch. The recorded
+launches are then compiled (`JITFunction.preload`) in a process pool, for each architecture,
+with the `triton` wheel's own `ptxas`; its `-v` report gives registers and spills.
+
+Must run in a process without `TRITON_INTERPRET` (the interpreter replaces `@triton.jit`
+functions when they are defined): `scripts/kernel_report.py` is the command, and
+`tests/test_kernels_compile.py` runs it. See docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import pkgutil
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pagedllm
+from pagedllm.layers.attention.base import StepInputs
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The per-SM and per-block limits of one architecture (CUDA programming guide, compute
+    capabilities table)."""
+
+    name: str
+    smem_per_block: int  # opt-in maximum of dynamic shared memory per block, bytes
+    smem_per_sm: int
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+    regs_per_sm: int = 65536
+
+
+ARCHS = {
+    80: Arch("A100", 166912, 167936, 64, 32),
+    89: Arch("L4/L40S", 101376, 102400, 48, 24),
+    90: Arch("H100/H200", 232448, 233472, 64, 32),
+    100: Arch("B200", 232448, 233472, 64, 32),
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The attention shape of a model class we claim: query heads, KV heads, head dim."""
+
+    model: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
+# head dims 64 / 80 / 96 / 128, GQA groups 1 to 8, a sliding window
+GEOMETRIES = (
+    Geometry("SmolLM2-135M", 9, 3, 64),
+    Geometry("Qwen2-0.5B", 14, 2, 64),
+    Geometry("TinyLlama-1.1B", 32, 4, 64),
+    Geometry("phi-2", 32, 32, 80),
+    Geometry("Phi-3-mini", 32, 32, 96),
+    Geometry("Llama-2-7B", 32, 32, 128),
+    Geometry("Llama-3-8B", 32, 8, 128),
+    Geometry("Qwen2-7B", 28, 4, 128),
+    Geometry("Llama-3-70B", 64, 8, 128),
+    Geometry("Mistral-7B", 32, 8, 128, window=4096),
+)
+BLOCK_SIZE = 16
+VOCAB = 49152  # SmolLM2's: the bitmask launch
+
+
+# --- discovery --------------------------------------------------------------------------------
+
+
+def discover_kernels() -> dict[str, Any]:
+    """Every `@triton.jit` function defined in the package, by `module:name` (modules whose
+    source holds `@triton.jit`, so a new kernel file is found without being listed)."""
+    from triton.runtime.jit import JITFunction
+
+    kernels: dict[str, Any] = {}
+    root = Path(pagedllm.__file__).parent
+    for info in pkgutil.walk_packages([str(root)], "pagedllm."):
+        path = root.joinpath(*info.name.split(".")[1:])
+        source = path / "__init__.py" if info.ispkg else path.with_suffix(".py")
+        if not source.is_file() or "@triton.jit" not in source.read_text():
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == info.name:
+                kernels[f"{info.name}:{name}"] = obj
+    return kernels
+
+
+# --- recording the launches -------------------------------------------------------------------
+
+
+class StandInDriver:
+    """Answers Triton's runtime as a device of compute capability `arch` would; nothing runs."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> str:
+        return f"sm_{self.target.arch}"  # one JIT cache per architecture
+
+    def get_current_stream(self, device: object) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str  # module:name
+    arch: int
+    spec: str  # Triton's specialization data (JSON)
+    labels: tuple[str, ...]  # the workloads that launch it: "Llama-3-8B bf16 decode x4"
+
+
+@contextlib.contextmanager
+def recording(arch: int) -> Iterator[list[tuple[str, str]]]:
+    """Launches made inside are recorded as (kernel, specialization data), not run."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    seen: list[tuple[str, str]] = []
+
+    def hook(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        seen.append((f"{fn.module}:{fn.name}", compile["specialization_data"]))
+        return True  # skip compiling and launching
+
+    previous, active = knobs.runtime.jit_cache_hook, driver._active
+    knobs.runtime.jit_cache_hook = hook
+    driver.set_active(StandInDriver(arch))
+    try:
+        yield seen
+    finally:  # NOTE: not reset_active(): that builds the default driver, absent without CUDA
+        knobs.runtime.jit_cache_hook = previous
+        driver._active = active
+
+
+def make_step(requests: list[tuple[int, int]], window: int | None) -> tuple[StepInputs, int]:
+    """A step of (cached prefix, new tokens) requests, decodes (1 new token) first, with
+    consecutive blocks; also the number of blocks used."""
+    tables, slots, starts, ctx, used = [], [], [0], [], 0
+    for prefix, new in requests:
+        end = prefix + new
+        table = list(range(used, used + -(-end // BLOCK_SIZE)))
+        used += len(table)
+        tables.append(table)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(prefix, end)]
+        starts.append(starts[-1] + new)
+        ctx.append(end)
+    width = max(len(t) for t in tables)
+    n = starts[-1]
+    step = StepInputs(
+        input_ids=torch.zeros(n, dtype=torch.long),
+        positions=torch.zeros(n, dtype=torch.long),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=starts,
+        context_lens=ctx,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=sum(new == 1 for _, new in requests),
+        logits_indices=torch.tensor(starts[1:]) - 1,
+        block_size=BLOCK_SIZE,
+        sliding_window=window,
+    )
+    return step, used
+
+
+def attention_launches(geo: Geometry, dtype: torch.dtype) -> None:
+    """One layer's attention as the model runner calls it: a mixed step (decodes, a prefill
+    chunk over a cached prefix) through `build_metadata`, then the graph runner's decode-only
+    metadata for every split count it can fix."""
+    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+    from pagedllm.model.llama import split_qkv
+
+    backend = TritonAttentionBackend()
+    cfg = backend.config
+    requests = [(300, 1), (4000, 1), (0, 1), (100, 70)]
+    step, blocks = make_step(requests, geo.window)
+    cache = torch.zeros(
+        backend.kv_cache_shape(blocks, BLOCK_SIZE, geo.kv_heads, geo.head_dim), dtype=dtype
+    )
+    n = step.query_start_loc[-1]
+    qkv = torch.zeros(n, geo.heads + 2 * geo.kv_heads, geo.head_dim, dtype=dtype)
+    q, kv = split_qkv(qkv, geo.heads, geo.kv_heads)
+    scale = geo.head_dim**-0.5
+    backend.forward(q, kv, cache, backend.build_metadata(step), scale)
+    d = step.num_decodes
+    splits = 1
+    while splits <= cfg.max_splits:
+        meta = backend.decode_metadata(
+            step.slot_mapping[:d],
+            step.block_tables[:d].int(),
+            torch.tensor(step.context_lens[:d], dtype=torch.int32),
+            splits,
+            geo.window,
+        )
+        backend.forward(q[:d], kv[:d], cache, meta, scale)
+        splits *= 2
+
+
+def bitmask_launches() -> None:
+    from pagedllm.layers.bitmask_kernel import apply_bitmask_triton
+
+    logits = torch.zeros(4, VOCAB)
+    bitmask = torch.zeros(4, (VOCAB + 31) // 32, dtype=torch.int32)
+    apply_bitmask_triton(logits, bitmask, [0, 2])
+
+
+def workloads() -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, a function making the workload's launches): the same on every architecture
+    (the launch table does not depend on it)."""
+    for geo in GEOMETRIES:
+        for dname, dtype in DTYPES.items():
+
+            def run(geo: Geometry = geo, dtype: torch.dtype = dtype) -> None:
+                attention_launches(geo, dtype)
+
+            window = f" window {geo.window}" if geo.window else ""
+            yield f"{geo.model} {dname} hd{geo.head_dim}{window}", run
+    yield "bitmask fp32", bitmask_launches
+
+
+def record_launches(archs: list[int]) -> list[Launch]:
+    """Every distinct launch of every workload, per architecture."""
+    found: dict[tuple[str, int, str], list[str]] = {}
+    for arch in archs:
+        for label, run in workloads():
+            with recording(arch) as seen:
+                run()
+            for kernel, spec in seen:
+                labels = found.setdefault((kernel, arch, spec), [])
+                if label not in labels:
+                    labels.append(label)
+    return [Launch(k, a, s, tuple(labels)) for (k, a, s), labels in found.items()]
+
+
+# --- compiling --------------------------------------------------------------------------------
+
+PTXAS_RE = {
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "registers": re.compile(r"Used (\d+) registers"),
+}
+
+
+def occupancy(arch: Arch, registers: int, shared: int, num_warps: int) -> int:
+    """Resident warps per SM (the occupancy calculator's rules: registers allocated per warp in
+    units of 256, 1 KiB of shared memory reserved per block)."""
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = arch.regs_per_sm // regs_per_warp // num_warps
+    by_smem = arch.smem_per_sm // (shared + 1024)
+    blocks = min(arch.max_blocks_per_sm, arch.max_warps_per_sm // num_warps, by_regs, by_smem)
+    return blocks * num_warps
+
+
+def compile_launch(launch: Launch) -> dict[str, Any]:
+    """Compiles one recorded launch for its architecture; its resources from ptxas."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    module, name = launch.kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    knobs.nvidia.dump_ptxas_log = True
+    driver.set_active(StandInDriver(launch.arch))
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = fn.preload(launch.spec)
+    text = log.getvalue()
+    found = {key: [int(v) for v in rx.findall(text)] for key, rx in PTXAS_RE.items()}
+    if not found["registers"]:
+        raise RuntimeError(f"no ptxas report for {launch.kernel} on sm_{launch.arch}: {text}")
+    meta = compiled.metadata
+    spec = json.loads(launch.spec)
+    names = fn.arg_names
+    constexprs = {
+        names[key[0]]: val
+        for key, val in zip(spec["constant_keys"], spec["constant_vals"], strict=True)
+    }
+    resources = {k: max(v) for k, v in found.items()}
+    arch = ARCHS[launch.arch]
+    return {
+        "kernel": name,
+        "arch": f"sm_{launch.arch}",
+        "gpu": arch.name,
+        "dtype": _dtype(spec["signature"]),
+        "constexprs": constexprs,
+        "num_warps": meta.num_warps,
+        "num_stages": meta.num_stages,
+        **resources,
+        "shared": meta.shared,
+        "shared_limit": arch.smem_per_block,
+        "warps_per_sm": occupancy(arch, resources["registers"], meta.shared, meta.num_warps),
+        "cubin_bytes": len(compiled.asm["cubin"]),
+        "workloads": list(launch.labels),
+    }
+
+
+def _dtype(signature: dict[str, str]) -> str:
+    """The dtype a launch computes in: its 16-bit pointers' if any (the split-K reduction
+    reads fp32 partials into a 16-bit output), else fp32."""
+    pointers = {ty[1:] for ty in signature.values() if ty.startswith("*")}
+    return next((t for t in ("fp16", "bf16") if t in pointers), "fp32")
+
+
+def _worker_init(cache_dir: str) -> None:
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # a fresh cache: ptxas runs for every launch
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def compile_all(launches: list[Launch], workers: int | None = None) -> list[dict[str, Any]]:
+    import multiprocessing
+
+    workers = workers or os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="pagedllm-triton-") as cache_dir:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, ctx, _worker_init, (cache_dir,)) as pool:
+            return list(pool.map(compile_launch, launches, chunksize=1))
+
+
+def report(archs: list[int] | None = None, workers: int | None = None) -> dict[str, Any]:
+    """The resource table of every kernel launch on every architecture, and what it checks."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("run without TRITON_INTERPRET: the interpreter compiles nothing")
+    archs = archs or list(ARCHS)
+    kernels = discover_kernels()
+    launches = record_launches(archs)
+    rows = compile_all(launches, workers)
+    return {
+        "triton": importlib.import_module("triton").__version__,
+        "kernels": sorted(kernels),
+        "launched": sorted({launch.kernel for launch in launches}),
+        "archs": {f"sm_{a}": ARCHS[a].name for a in archs},
+        "configurations": {f"sm_{a}": sum(r["arch"] == f"sm_{a}" for r in rows) for a in archs},
+        "rows": rows,
+    }
+
+
+# --- the table in docs/gpu.md -----------------------------------------------------------------
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """One line per kernel x dtype x head dim; per architecture the worst case over its
+    variants (window, split, GQA): registers, shared memory, resident warps per SM."""
+    archs = sorted({r["arch"] for r in rows}, key=lambda a: int(a[3:]))
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        width = r["constexprs"].get("BLOCK_D")
+        dims = "-" if width is None else "64" if width <= 64 else "80-128"
+        groups.setdefault((r["kernel"], r["dtype"], dims), []).append(r)
+    head = ["kernel", "dtype", "head dim", "tile, warps, stages", "variants", *archs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (kernel, dtype, dims), group in sorted(groups.items()):
+        first = group[0]["constexprs"]
+        tile = "x".join(str(first[k]) for k in ("BLOCK_M", "BLOCK_G", "BLOCK_N") if k in first)
+        cells = []
+        for arch in archs:
+            on = [r for r in group if r["arch"] == arch]
+            spills = max(r["spill_stores"] + r["spill_loads"] for r in on)
+            cell = (
+                f"{max(r['registers'] for r in on)} regs, "
+                f"{max(r['shared'] for r in on) / 1024:.0f} KiB, "
+                f"{min(r['warps_per_sm'] for r in on)} warps/SM"
+            )
+            cells.append(cell + (f", **{spills} B spilled**" if spills else ""))
+        options = f"{tile or '-'}, {group[0]['num_warps']}, {group[0]['num_stages']}"
+        count = len(group) // len(archs)
+        lines.append(
+            f"| `{kernel}` | {dtype} | {dims} | {options} | {count} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines) + "\n"
