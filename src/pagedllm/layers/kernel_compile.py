@@ -23,7 +23,7 @@ import os
 import pkgutil
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import pagedllm
-from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.kernel_workloads import workloads
 
 
 @dataclass(frozen=True)
@@ -54,35 +54,6 @@ ARCHS = {
     90: Arch("H100/H200", 232448, 233472, 64, 32),
     100: Arch("B200", 232448, 233472, 64, 32),
 }
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The attention shape of a model class we claim: query heads, KV heads, head dim."""
-
-    model: str
-    heads: int
-    kv_heads: int
-    head_dim: int
-    window: int | None = None
-
-
-# head dims 64 / 80 / 96 / 128, GQA groups 1 to 8, a sliding window
-GEOMETRIES = (
-    Geometry("SmolLM2-135M", 9, 3, 64),
-    Geometry("Qwen2-0.5B", 14, 2, 64),
-    Geometry("TinyLlama-1.1B", 32, 4, 64),
-    Geometry("phi-2", 32, 32, 80),
-    Geometry("Phi-3-mini", 32, 32, 96),
-    Geometry("Llama-2-7B", 32, 32, 128),
-    Geometry("Llama-3-8B", 32, 8, 128),
-    Geometry("Qwen2-7B", 28, 4, 128),
-    Geometry("Llama-3-70B", 64, 8, 128),
-    Geometry("Mistral-7B", 32, 8, 128, window=4096),
-)
-BLOCK_SIZE = 16
-VOCAB = 49152  # SmolLM2's: the bitmask launch
 
 
 # --- discovery --------------------------------------------------------------------------------
@@ -159,90 +130,6 @@ def recording(arch: int) -> Iterator[list[tuple[str, str]]]:
     finally:  # NOTE: not reset_active(): that builds the default driver, absent without CUDA
         knobs.runtime.jit_cache_hook = previous
         driver._active = active
-
-
-def make_step(requests: list[tuple[int, int]], window: int | None) -> tuple[StepInputs, int]:
-    """A step of (cached prefix, new tokens) requests, decodes (1 new token) first, with
-    consecutive blocks; also the number of blocks used."""
-    tables, slots, starts, ctx, used = [], [], [0], [], 0
-    for prefix, new in requests:
-        end = prefix + new
-        table = list(range(used, used + -(-end // BLOCK_SIZE)))
-        used += len(table)
-        tables.append(table)
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(prefix, end)]
-        starts.append(starts[-1] + new)
-        ctx.append(end)
-    width = max(len(t) for t in tables)
-    n = starts[-1]
-    step = StepInputs(
-        input_ids=torch.zeros(n, dtype=torch.long),
-        positions=torch.zeros(n, dtype=torch.long),
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=starts,
-        context_lens=ctx,
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        num_decodes=sum(new == 1 for _, new in requests),
-        logits_indices=torch.tensor(starts[1:]) - 1,
-        block_size=BLOCK_SIZE,
-        sliding_window=window,
-    )
-    return step, used
-
-
-def attention_launches(geo: Geometry, dtype: torch.dtype) -> None:
-    """One layer's attention as the model runner calls it: a mixed step (decodes, a prefill
-    chunk over a cached prefix) through `build_metadata`, then the graph runner's decode-only
-    metadata for every split count it can fix."""
-    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
-    from pagedllm.model.llama import split_qkv
-
-    backend = TritonAttentionBackend()
-    cfg = backend.config
-    requests = [(300, 1), (4000, 1), (0, 1), (100, 70)]
-    step, blocks = make_step(requests, geo.window)
-    cache = torch.zeros(
-        backend.kv_cache_shape(blocks, BLOCK_SIZE, geo.kv_heads, geo.head_dim), dtype=dtype
-    )
-    n = step.query_start_loc[-1]
-    qkv = torch.zeros(n, geo.heads + 2 * geo.kv_heads, geo.head_dim, dtype=dtype)
-    q, kv = split_qkv(qkv, geo.heads, geo.kv_heads)
-    scale = geo.head_dim**-0.5
-    backend.forward(q, kv, cache, backend.build_metadata(step), scale)
-    d = step.num_decodes
-    splits = 1
-    while splits <= cfg.max_splits:
-        meta = backend.decode_metadata(
-            step.slot_mapping[:d],
-            step.block_tables[:d].int(),
-            torch.tensor(step.context_lens[:d], dtype=torch.int32),
-            splits,
-            geo.window,
-        )
-        backend.forward(q[:d], kv[:d], cache, meta, scale)
-        splits *= 2
-
-
-def bitmask_launches() -> None:
-    from pagedllm.layers.bitmask_kernel import apply_bitmask_triton
-
-    logits = torch.zeros(4, VOCAB)
-    bitmask = torch.zeros(4, (VOCAB + 31) // 32, dtype=torch.int32)
-    apply_bitmask_triton(logits, bitmask, [0, 2])
-
-
-def workloads() -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, a function making the workload's launches): the same on every architecture
-    (the launch table does not depend on it)."""
-    for geo in GEOMETRIES:
-        for dname, dtype in DTYPES.items():
-
-            def run(geo: Geometry = geo, dtype: torch.dtype = dtype) -> None:
-                attention_launches(geo, dtype)
-
-            window = f" window {geo.window}" if geo.window else ""
-            yield f"{geo.model} {dname} hd{geo.head_dim}{window}", run
-    yield "bitmask fp32", bitmask_launches
 
 
 def record_launches(archs: list[int]) -> list[Launch]:
