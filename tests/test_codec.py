@@ -135,17 +135,6 @@ def test_return_timing_flag() -> None:
     assert not parse_request(tensors(text_input="Hi")).return_timing
 
 
-def test_instance_device_follows_the_instance_kind() -> None:
-    from pagedllm.serving.settings import instance_device
-
-    assert instance_device({}) == "cpu"
-    assert instance_device({}, "GPU", 2) == "cuda:2"  # KIND_GPU: the GPU Triton gave it
-    assert instance_device({"device": "cuda"}, "CPU", 0) == "cuda:0"
-    assert instance_device({"device": "cpu"}, "GPU", 1) == "cpu"
-    with pytest.raises(ValueError, match="device must be"):
-        instance_device({"device": "tpu"})
-
-
 def test_cancel_polls_ask_each_request_at_most_once_per_interval() -> None:
     from pagedllm.serving.cancel_polls import CancelPolls
 

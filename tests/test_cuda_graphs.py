@@ -225,7 +225,7 @@ def test_kv_pool_sized_from_free_device_memory(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = checkpoints["llama"]
-    cpu = EngineConfig.create(path, max_model_len=512, kv_cache_memory=1 << 20)
+    cpu = EngineConfig.create(path, max_model_len=512, kv_cache_memory=1 << 20, device="cpu")
     assert cpu.cache.num_kv_blocks == (1 << 20) // (2 * 2 * 16 * 2 * 16 * 4)  # memory-bound
     assert cpu.gpu_memory_utilization == 0.9 and not cpu.enforce_eager
 
@@ -235,11 +235,16 @@ def test_kv_pool_sized_from_free_device_memory(
     # 100 bytes are already used by someone else
     total = model.num_parameters * 4 + activation_reserve(model, 2048, 4) + 7 * per_block + 100
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - 100, total))
+    # a CUDA device as torch would report one (resolve_device asks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU")
     gpu = EngineConfig.create(
         path, device="cuda", gpu_memory_utilization=1.0, max_num_seqs=4, enforce_eager=True
     )
     assert gpu.cache.num_kv_blocks == 7
-    assert gpu.enforce_eager and gpu.device == "cuda"
+    assert gpu.enforce_eager and gpu.device == "cuda:0"
     with pytest.raises(ConfigError, match="no device memory left"):
         EngineConfig.create(path, device="cuda", gpu_memory_utilization=0.5, max_num_seqs=4)
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import server_metrics
+import torch
 from grpc_stream import GrpcStream, grpc_inputs
 
 from pagedllm import LLM, SamplingParams
@@ -72,6 +73,21 @@ def metrics(server: TritonServer) -> dict[str, float]:
 def wait_idle(server: TritonServer, timeout: float) -> float:
     """Seconds until no request runs or waits and no KV block is in use."""
     return server_metrics.wait_idle(server.metrics_url, timeout)
+
+
+def test_llm_engine_is_one_kind_model_instance_on_the_device_auto_chose(
+    server: TritonServer,
+) -> None:
+    """config.pbtxt as Triton loaded it: one KIND_MODEL instance (no GPU here, none needed);
+    its engine's `device` "auto" resolved and logged once."""
+    url = f"{server.http_url}/v2/models/llm_engine/config"
+    with urllib.request.urlopen(url, timeout=30) as r:
+        config = json.load(r)
+    assert [(g["kind"], g["count"]) for g in config["instance_group"]] == [("KIND_MODEL", 1)]
+    assert config["parameters"]["device"]["string_value"] == "auto"
+    log = server.log_path.read_text()
+    chosen = "cuda:0 (" if torch.cuda.is_available() else "cpu (no CUDA device)"
+    assert log.count(f"device auto -> {chosen}") == 1, log[-2000:]
 
 
 # --- the same text as the offline API, over every protocol -----------------------------------

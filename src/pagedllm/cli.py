@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
     model = args.model or str(prepare.prepare_smollm2())
-    llm = LLM(model, dtype=args.dtype)
+    llm = LLM(model, dtype=args.dtype, device=args.device)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         print(out.outputs[0].text)
@@ -33,6 +33,18 @@ def _openai(args: argparse.Namespace) -> int:
     return serve(config, args.host, args.port)
 
 
+def _device(value: str) -> str:
+    from pagedllm.config import ConfigError, check_device
+
+    try:
+        return check_device(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+DEVICE_HELP = "auto (default: a CUDA device when torch sees one, else the CPU), cpu, cuda, cuda:N"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagedllm")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -43,11 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompts", nargs="+")
     g.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
     g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
-    s = sub.add_parser("serve", help="serve the model repository with tritonserver (CPU)")
+    s = sub.add_parser("serve", help="serve the model repository with tritonserver")
     s.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
     s.add_argument("--dtype", default="auto")
+    s.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help=f"{DEVICE_HELP}; sets PAGEDLLM_DEVICE, which overrides llm_engine's `device`",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -80,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         from pagedllm.serving.launcher import serve
 
         model = args.model or str(prepare.prepare_smollm2())
-        env = (
-            {"PAGEDLLM_TRACE_FILE": str(Path(args.trace_file).resolve())} if args.trace_file else {}
-        )
+        env = {"PAGEDLLM_DEVICE": args.device}
+        if args.trace_file:
+            env["PAGEDLLM_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         log_file = Path(args.log_file) if args.log_file else None
         return serve(
             model, args.http_port, args.grpc_port, args.metrics_port, args.dtype, env, log_file

@@ -4,11 +4,15 @@ and the scheduler. "auto" values are resolved before freezing."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -34,6 +38,50 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
     if name not in _DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+DEVICES = "auto, cpu, cuda, cuda:N"
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_RESOLVED = re.compile(r"cpu|cuda:\d+")
+
+
+def check_device(device: str) -> str:
+    """`device` in canonical spelling (lower case, no blanks); ConfigError unless it is one of
+    DEVICES. Says nothing of whether the device exists (`resolve_device` does)."""
+    name = device.strip().lower()
+    if not _DEVICE.fullmatch(name):
+        raise ConfigError(f"unsupported device {device!r}; use one of {DEVICES}")
+    return name
+
+
+def resolve_device(device: str) -> str:
+    """The torch device an engine runs on, "cpu" or "cuda:N", decided once before anything uses
+    it and logged with the reason: "auto" takes the current CUDA device when torch sees one,
+    else the CPU; "cuda" is the current CUDA device. A CUDA device that is not there is a
+    ConfigError, not a torch traceback."""
+    name = check_device(device)
+    if name == "cpu":
+        logger.info("device cpu")
+        return name
+    if not torch.cuda.is_available():
+        if name == "auto":
+            logger.info("device auto -> cpu (no CUDA device)")
+            return "cpu"
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no GPU or driver"
+        raise ConfigError(
+            f"device {name!r} asks for a GPU, but torch sees no CUDA device ({build}); "
+            "use device 'auto' or 'cpu'"
+        )
+    index = int(name[5:]) if name.startswith("cuda:") else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(
+            f"device {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    resolved = f"cuda:{index}"
+    arrow = "" if name == resolved else f" -> {resolved}"
+    logger.info("device %s%s (%s)", name, arrow, torch.cuda.get_device_name(index))
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -208,7 +256,8 @@ class EngineConfig:
     dtype: torch.dtype
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
+    # "cpu" or "cuda:N": "auto" (and "cuda") are resolved before the config is frozen
+    device: str = "auto"
     attention_backend: str = "auto"
     # on a GPU: the share of the device's memory this engine may use (weights, activations,
     # KV pool); and whether to run decode steps eagerly instead of through CUDA graphs
@@ -216,6 +265,8 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if not _RESOLVED.fullmatch(self.device):  # never "auto" downstream
+            object.__setattr__(self, "device", resolve_device(self.device))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -234,14 +285,16 @@ class EngineConfig:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         kv_cache_memory: int = 2 << 30,
-        device: str = "cpu",
+        device: str = "auto",
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
     ) -> EngineConfig:
-        """Build and validate the engine's configuration from user-facing knobs. On a CUDA
-        device the KV pool's memory comes from the device's free memory
-        (`gpu_memory_utilization`), not from `kv_cache_memory`."""
+        """Build and validate the engine's configuration from user-facing knobs. `device`:
+        one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
+        comes from the device's free memory (`gpu_memory_utilization`), not from
+        `kv_cache_memory`."""
+        device = resolve_device(device)
         model = ModelConfig.from_model_dir(model_dir)
         context = model.context_length
         model_len = max_model_len or context

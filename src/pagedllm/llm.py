@@ -24,7 +24,9 @@ PromptType = str | TokensPrompt
 
 
 class LLM:
-    """Generate for a batch of prompts with continuous batching over a paged KV cache."""
+    """Generate for a batch of prompts with continuous batching over a paged KV cache.
+    `device`: "auto" (a CUDA device when torch sees one, else the CPU), "cpu", "cuda" or
+    "cuda:N" (`pagedllm.config.resolve_device`)."""
 
     def __init__(
         self,
@@ -39,7 +41,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         kv_cache_memory: int = 2 << 30,
-        device: str = "cpu",
+        device: str = "auto",
         attention_backend: str = "auto",
     ) -> None:
         config = EngineConfig.create(

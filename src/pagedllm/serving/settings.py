@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, check_device
 from pagedllm.convert import to_bool
 
 # prompts longer than this many UTF-8 bytes are refused before they are tokenized (a huge
@@ -16,6 +17,8 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 # seconds requests in flight get to finish when the server stops or unloads the engine
 # (under the server's --exit-timeout-secs: 30 by default and under `pagedllm serve`)
 DEFAULT_DRAIN_TIMEOUT = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def setting(parameters: dict[str, str], name: str, default: str = "") -> str:
@@ -45,19 +48,29 @@ def model_dir(parameters: dict[str, str]) -> str:
 
 
 def instance_device(parameters: dict[str, str], kind: str = "CPU", device_id: int = 0) -> str:
-    """The engine's torch device: the `device` parameter or PAGEDLLM_DEVICE ("cpu", "cuda" or
-    "cuda:N"); "cuda" becomes the GPU Triton gave this instance (KIND_GPU:
-    `model_instance_kind` GPU, `model_instance_device_id` N). A KIND_GPU instance defaults to
-    it."""
-    device = setting(parameters, "device", "cuda" if kind == "GPU" else "cpu")
-    if device == "cuda":
-        device = f"cuda:{device_id}"
-    if not (device == "cpu" or device.startswith("cuda:")):
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    return device
+    """The device this Triton instance asks the engine for: the `device` parameter or
+    PAGEDLLM_DEVICE (DEVICES, default "auto"), read against the instance Triton made
+    (`model_instance_kind`, `model_instance_device_id` N):
+
+    - "auto" on a KIND_GPU instance (what KIND_AUTO becomes where Triton sees a GPU): cuda:N;
+      on a KIND_CPU instance: cpu (the config asked for a CPU instance, or Triton saw no GPU);
+      on KIND_MODEL: "auto" (the engine takes the current CUDA device when torch sees one);
+    - "cuda": cuda:N, the GPU Triton gave the instance (N is 0 on KIND_CPU and KIND_MODEL);
+    - "cpu" and "cuda:N" as given.
+
+    EngineConfig.create resolves the result (`resolve_device`: checked, logged)."""
+    device = check_device(setting(parameters, "device", "auto"))
+    if device == "auto" and kind in ("GPU", "CPU"):
+        device = f"cuda:{device_id}" if kind == "GPU" else "cpu"
+        logger.info("device auto -> %s: a KIND_%s instance", device, kind)
+    return f"cuda:{device_id}" if device == "cuda" else device
 
 
-def engine_config(parameters: dict[str, str], device: str = "cpu") -> EngineConfig:
+def engine_config(parameters: dict[str, str], device: str | None = None) -> EngineConfig:
+    """The engine's settings; `device` (default: `instance_device` of a KIND_CPU instance) is
+    resolved by EngineConfig.create."""
+    device = instance_device(parameters) if device is None else device
+
     def get(name: str, default: str) -> str:
         return setting(parameters, name, default)
 

@@ -23,7 +23,9 @@ def available_backends() -> list[str]:
 def create_attention_backend(name: str, device: str = "cpu") -> AttentionBackend:
     """`auto` picks the Triton kernels on a CUDA device; on the CPU, the C++ decode kernel when
     it builds here (compiled once per machine, ~40 s, then cached), else the pure-PyTorch
-    backend."""
+    backend. `device`: a resolved one (`pagedllm.config.resolve_device`), never "auto"."""
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"attention backends run on cpu or cuda, not {device!r}")
     if name == "auto" and device.startswith("cuda"):
         name = "triton"
     elif name == "auto":
