@@ -3,6 +3,7 @@ and the scheduler. "auto" values are resolved before freezing."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -303,6 +304,9 @@ class EngineConfig:
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
         if num_kv_blocks is None and device.startswith("cuda"):
+            # an engine closed in this process leaves its pool cached by torch: count it free
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(torch.device(device))
             kv_cache_memory = device_kv_cache_budget(
                 free,

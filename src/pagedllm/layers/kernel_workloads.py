@@ -105,8 +105,8 @@ def attention_cases(
 ) -> Iterator[AttentionCase]:
     """The mixed step (eager), then the decodes alone for every split count a graph can fix
     (1, 2, ... `max_splits`). Random values with a `generator`, else zeros."""
+    from pagedllm.layers.attention.base import split_qkv
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
-    from pagedllm.model.llama import split_qkv
 
     def values(*shape: int) -> torch.Tensor:
         if generator is None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend, cpu_kernels
+from pagedllm.layers.attention.base import split_qkv
 
 
 class RMSNorm(nn.Module):
@@ -138,12 +139,6 @@ def _add_rms_norm(
     if residual is None:
         return cpu_kernels.rms_norm(x, weight, eps), x
     return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps)
-
-
-def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention backend's inputs as strided views of the (N, h + 2 * kvh, head_dim)
-    projection: q (N, h, head_dim) and the new keys/values (N, 2, kvh, head_dim)."""
-    return qkv[:, :h], qkv[:, h:].view(qkv.shape[0], 2, kvh, qkv.shape[2])
 
 
 def _attention(

@@ -25,7 +25,7 @@ import torch
 from pagedllm.layers.attention.base import StepInputs
 
 if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.config import EngineConfig
 
 MAX_CAPTURE_SIZE = 512
 
@@ -198,7 +198,19 @@ class CudaGraphRunner:
         return out[:n]
 
 
-def create_graph_runner(runner: ModelRunner) -> CudaGraphRunner | None:
+class Runner(Protocol):
+    """What the graphs need of the model runner (worker/model_runner.py builds them)."""
+
+    config: EngineConfig
+    device: torch.device
+    backend: Any
+    block_size: int
+    rotary: torch.Tensor
+    kv_caches: list[torch.Tensor]
+    model: Any
+
+
+def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     """The runner's decode graphs: on a CUDA device with a backend that can build decode
     metadata from device buffers (the Triton one), unless `enforce_eager`. Not captured yet."""
     config, backend = runner.config, runner.backend
@@ -213,7 +225,7 @@ def create_graph_runner(runner: ModelRunner) -> CudaGraphRunner | None:
     max_blocks = -(-max_len // runner.block_size)
     buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device)
     kv_heads, window = config.model.num_kv_heads, config.model.sliding_window
-    kernel_config = backend.kernel_config(runner.device)  # type: ignore[attr-defined]
+    kernel_config = backend.kernel_config(runner.device)
 
     def forward(b: DecodeBuffers) -> torch.Tensor:
         # NOTE: split-K is fixed per graph, for the longest possible context

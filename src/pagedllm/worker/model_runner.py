@@ -33,6 +33,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        use_device(self.device)
         mcfg = config.model
         self.model = load_model(config.model_dir, mcfg, config.dtype, config.device)
         self.backend = create_attention_backend(config.attention_backend, config.device)
@@ -104,6 +105,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        use_device(self.device)  # the engine's step thread starts on cuda:0
         for request_id in sched.finished_ids:
             self._generators.pop(request_id, None)
         if self.grammars is not None:
@@ -254,3 +256,10 @@ def _prompt_logprob_spans(
 def order_batch(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Decodes (one new token) first, prefill chunks after, as the attention backends expect."""
     return sorted(batch, key=lambda s: s.num_tokens > 1)
+
+
+def use_device(device: torch.device) -> None:
+    """Make a CUDA device this thread's current one: Triton launches and graph captures go to
+    the current device, whatever their tensors' device."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)

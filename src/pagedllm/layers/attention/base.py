@@ -25,6 +25,12 @@ class StepInputs:
     sliding_window: int | None = None
 
 
+def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A backend's inputs as strided views of the (N, h + 2 * kvh, head_dim)
+    projection: q (N, h, head_dim) and the new keys/values (N, 2, kvh, head_dim)."""
+    return qkv[:, :h], qkv[:, h:].view(qkv.shape[0], 2, kvh, qkv.shape[2])
+
+
 class AttentionBackend(Protocol):
     """Owns the KV-cache layout: writes the new keys/values into their slots, then attends
     over each request's cached context."""
