@@ -14,11 +14,13 @@ rm -f "$PAGEDLLM_DRAIN_FILE"
 tritonserver "$@" &
 server=$!
 
+# shellcheck disable=SC2329 # in_flight and stop run from the trap below
 in_flight() {  # requests running or waiting in the engine; 0 when the metrics cannot be read
   curl -fsS --max-time 2 "$metrics" 2>/dev/null |
     awk '/^vllm:num_requests_(running|waiting)\{/ { n += $2 } END { print n + 0 }'
 }
 
+# shellcheck disable=SC2329
 stop() {
   trap '' TERM INT
   touch "$PAGEDLLM_DRAIN_FILE"

@@ -1,18 +1,60 @@
-"""Readers for the deployment files, for tests/test_docker.py: a Dockerfile parser (the subset
-of the syntax this repository uses), docker-compose value helpers, and an os.environ stand-in
-that records what was looked up."""
+"""For tests/test_docker.py: the facts the GPU image's pins were checked against, a Dockerfile
+parser (the subset of the syntax this repository uses), docker-compose helpers, what the
+repository says (engine settings, pins, config.pbtxt), and the linters of the dev extra."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 GIB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
+ENGINE_CONFIG_PBTXT = ROOT / "model_repository" / "llm_engine" / "config.pbtxt"
+
+# What tritonserver must find in the repositories it is started with (see docs/deployment.md).
+EXPECTED_MODELS = {
+    "model_repository": ("tokenizer", "llm_engine", "detokenizer", "llm"),
+    "ensemble_config": ("ensemble",),
+}
+TRITON_DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+READY_PATH = "/v2/health/ready"
+# a GPU cold start: weights, every Triton kernel compiled (empty cache), CUDA graphs captured
+MIN_START_PERIOD_S = 600
+# what the files said while the engine had no GPU path
+STALE = re.compile(r"not built yet|runner is pending|runner lands|runs on the CPU (even|anyway)")
+
+
+# ---- Facts looked up for the GPU image (no Docker or GPU here: recorded with their source)
+
+
+@dataclass(frozen=True)
+class NgcImage:
+    cuda: str  # the CUDA release the image is built on
+    driver: int  # the NVIDIA driver branch that CUDA release needs on the host
+
+
+# NVIDIA's "Triton Inference Server Release 24.10" notes: "based on CUDA 12.6.2 which requires
+# NVIDIA Driver release 560 or later" (data-center GPUs also R470/R525/R535/R545 through the
+# forward-compatibility package); Ubuntu 22.04, Python 3.10; Triton 2.51.
+NGC_IMAGES = {"24.10-py3": NgcImage(cuda="12.6.2", driver=560)}
+# torch's CUDA builds (download.pytorch.org/whl/<tag>, local version +<tag>) -> CUDA release;
+# PyTorch's release matrix lists CUDA 12.6 and 13.0 as the stable builds of 2.13.
+TORCH_CUDA_BUILDS = {"cu126": "12.6", "cu130": "13.0"}
+# `Requires-Dist: triton==3.7.1` in torch-2.13.0-cp310-cp310-manylinux_2_28_x86_64.whl's
+# METADATA (PyPI), next to cuda-toolkit==13.0.3: the triton torch was built and tested with.
+TORCH_REQUIRES_TRITON = {"2.13.0": "3.7.1"}
 
 
 # ---- Dockerfile parsing (the subset of the syntax this repository uses)
@@ -94,6 +136,16 @@ class Dockerfile:
                 args[name.strip()] = default.strip().strip('"')
         return args
 
+    def stage_args(self) -> dict[str, str]:
+        """ARG defaults a RUN of the final stage sees (global ones only once redeclared)."""
+        declared = self.global_args()
+        args: dict[str, str] = {}
+        for i in self.stage():
+            if i.keyword == "ARG":
+                name, eq, default = i.args.partition("=")
+                args[name.strip()] = default.strip().strip('"') if eq else declared[name.strip()]
+        return args
+
     def base_image(self) -> str:
         return expand(self.stage()[0].args.split()[0], self.global_args())
 
@@ -148,6 +200,19 @@ class Dockerfile:
             assert isinstance(value, list), f"{keyword} must use the exec (JSON) form"
             argv += value
         return argv
+
+    def served(self, context: Path) -> dict[str, Path]:
+        """Container path of each --model-repository -> the repository directory copied there."""
+        copied = {dest: srcs for srcs, dest in self.copies()}
+        argv = self.command()
+        repos = flag_values(argv, "--model-repository") + flag_values(argv, "--model-store")
+        result: dict[str, Path] = {}
+        for repo in repos:
+            srcs = copied.get(repo.rstrip("/"))
+            assert srcs, f"--model-repository={repo} is not a COPY destination ({sorted(copied)})"
+            assert len(srcs) == 1, f"{repo} is assembled from several sources {srcs}"
+            result[repo.rstrip("/")] = (context / srcs[0]).resolve()
+        return result
 
     def runs(self) -> list[str]:
         return [i.args for i in self.stage() if i.keyword == "RUN"]
@@ -229,3 +294,104 @@ class RecordingEnviron(dict[str, str]):
     def __contains__(self, key: object) -> bool:
         self.looked_up.add(str(key))
         return super().__contains__(key)
+
+
+# ---- What the repository says
+
+
+def run_engine_config(
+    environ: dict[str, str], parameters: dict[str, str]
+) -> tuple[set[str], dict[str, Any]]:
+    """settings.engine_config() under this environment, with EngineConfig.create replaced
+    by a recorder: (the PAGEDLLM_* variables it looked up, what it created the config with)."""
+    from pagedllm.serving import settings
+
+    env = RecordingEnviron(environ)
+    created: dict[str, Any] = {}
+
+    def create(model_dir: str, **kwargs: Any) -> None:
+        created.update(kwargs, model_dir=model_dir)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(settings.EngineConfig, "create", staticmethod(create))
+        mp.setattr(settings.os, "environ", env)
+        settings.engine_config(parameters)
+    assert created, "engine_config did not create an EngineConfig"
+    return {k for k in env.looked_up if k.startswith("PAGEDLLM_")}, created
+
+
+def source_env_names() -> set[str]:
+    """PAGEDLLM_* variables named literally in the code tritonserver runs."""
+    found: set[str] = set()
+    for root in (ROOT / "src", ROOT / "model_repository", ROOT / "ensemble_config"):
+        for path in root.rglob("*.py") if root.is_dir() else ():
+            found |= set(re.findall(r"\bPAGEDLLM_[A-Z0-9_]*[A-Z0-9]\b", path.read_text("utf-8")))
+    return found
+
+
+def setup_torch_pin() -> str:
+    pins = set(re.findall(r"\btorch==([\w.+]+)", (ROOT / "scripts/setup.sh").read_text("utf-8")))
+    assert len(pins) == 1, f"scripts/setup.sh pins torch as {pins}"
+    return pins.pop()
+
+
+def engine_pbtxt() -> tuple[str, dict[str, str]]:
+    """llm_engine's instance kind (GPU, CPU, MODEL, AUTO) and parameters, comments dropped."""
+    text = re.sub(r"#.*", "", ENGINE_CONFIG_PBTXT.read_text(encoding="utf-8"))
+    (kind,) = re.findall(r"instance_group\s*\[\s*\{[^}]*kind:\s*KIND_(\w+)", text)
+    pattern = r'parameters\s*\{\s*key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"'
+    return kind, dict(re.findall(pattern, text))
+
+
+def device_on_a_gpu_host(environ: dict[str, str]) -> tuple[str, str]:
+    """(llm_engine's instance kind, the device its engine resolves) under this environment,
+    where Triton and torch see one GPU (Triton makes KIND_AUTO a KIND_GPU there)."""
+    import torch
+
+    from pagedllm.config import resolve_device
+    from pagedllm.serving import settings
+
+    kind, parameters = engine_pbtxt()
+    kind = {"AUTO": "GPU"}.get(kind, kind)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(settings.os, "environ", environ)
+        for name, value in [("is_available", True), ("device_count", 1), ("current_device", 0)]:
+            mp.setattr(torch.cuda, name, lambda v=value: v)
+        mp.setattr(torch.cuda, "get_device_name", lambda index=0: "stand-in GPU")
+        return kind, resolve_device(settings.instance_device(parameters, kind, 0))
+
+
+def torch_install(dockerfile: Dockerfile) -> str:
+    (run,) = [r for r in dockerfile.runs() if re.search(r"pip install [^&]*\"torch==", r)]
+    return run
+
+
+# ---- linters (dev extra)
+
+LINTERS = {
+    # tool: (arguments, the file it checks, a file it must reject)
+    "hadolint": (["--no-color"], "docker/Dockerfile", "FROM ubuntu\nRUN apt-get install curl\n"),
+    "shellcheck": (["--color=never"], "docker/serve.sh", "#!/bin/bash\nrm -rf $1/\n"),
+}
+
+
+def lint(tool: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a linter of the dev extra (the venv's, else the PATH's); skip the test without it."""
+    exe = shutil.which(tool, path=str(Path(sys.executable).parent)) or shutil.which(tool)
+    if exe is None:
+        pytest.skip(f"{tool} is not installed (pip install -e '.[dev]')")
+    return subprocess.run([exe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def compose_schema_errors(compose: dict[str, Any]) -> list[str]:
+    """Violations of the official compose-spec JSON schema, as vendored by check-jsonschema
+    (PyPI); skips the test where that package is not installed."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("check_jsonschema")
+    from importlib.resources import files
+
+    vendor = files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads(vendor.joinpath("compose-spec.json").read_text(encoding="utf-8"))
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.path))
+    return [f"{list(e.path)}: {e.message}" for e in errors]
