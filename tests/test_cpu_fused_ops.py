@@ -249,3 +249,22 @@ def test_rotary_embedding_matches_transformers(
     expected = interleave(torch.cat([hf_q[:, :, 0], hf_k[:, :, 0]], 1)).to(dtype)
     close(qkv[:, : heads + kv_heads], expected)
     assert torch.equal(qkv[:, heads + kv_heads :], v_before)
+
+
+def test_the_kernel_sources_ship_in_the_wheel() -> None:
+    """Every C++ source the extension compiles is package data (built where it runs)."""
+    import fnmatch
+    import json
+    import re
+
+    from pagedllm.layers.attention import cpu_kernels
+
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text(encoding="utf-8")
+    found = re.search(r"\[tool\.setuptools\.package-data\][^\[]*?\npagedllm = (\[.*?\])", pyproject)
+    assert found, "pyproject.toml lacks [tool.setuptools.package-data] pagedllm"
+    globs = json.loads(found.group(1))
+    package = cpu_kernels.CSRC.parent
+    files = [str(p.relative_to(package)) for p in cpu_kernels.CSRC.iterdir() if p.is_file()]
+    assert {"csrc/vec.h", *(f"csrc/{name}" for name in cpu_kernels._SOURCES)} <= set(files)
+    assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), (files, globs)

@@ -1,0 +1,126 @@
+// SIMD helpers shared by the CPU kernels: GCC/Clang vector types, loads and stores of
+// fp32/bf16/fp16 as 16 fp32 lanes, horizontal sum/max, exp. Built into one extension with
+// the kernels (layers/attention/cpu_kernels.py concatenates the sources).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// GCC/Clang vector extensions: 16 fp32 lanes, lowered to whatever SIMD the CPU has
+// (intrinsics only where gcc lowers a 16-bit -> fp32 conversion poorly).
+constexpr int64_t kLanes = 16;
+typedef float fvec __attribute__((vector_size(64)));
+typedef float fvec8 __attribute__((vector_size(32)));
+typedef float fvec4 __attribute__((vector_size(16)));
+typedef uint16_t u16vec __attribute__((vector_size(32)));
+typedef uint32_t u32vec __attribute__((vector_size(64)));
+
+template <typename To, typename From>
+inline To bit_cast(const From& from) {
+  To to;
+  std::memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// An unaligned vector load.
+template <typename V>
+inline V load_raw(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// 16 values as fp32.
+inline fvec load(const float* p) { return load_raw<fvec>(p); }
+
+inline fvec load(const at::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return bit_cast<fvec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+  return bit_cast<fvec>(__builtin_convertvector(load_raw<u16vec>(p), u32vec) << 16);
+#endif
+}
+
+inline fvec load(const at::Half* p) {
+#if defined(__AVX512F__)
+  return bit_cast<fvec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  const auto* h = reinterpret_cast<const __m128i*>(p);
+  return bit_cast<fvec>(std::array<__m256, 2>{_mm256_cvtph_ps(_mm_loadu_si128(h)),
+                                              _mm256_cvtph_ps(_mm_loadu_si128(h + 1))});
+#else
+  fvec v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+// 16 fp32 values rounded to the cache dtype (to nearest even, like c10's conversions).
+inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(at::BFloat16* p, fvec v) {
+  const auto bits = bit_cast<u32vec>(v);
+  const u32vec rounded = bits + (((bits >> 16) & 1) + 0x7fff);
+  const u32vec word = (v == v) ? rounded : u32vec{} + 0x7fc00000;  // NaN: canonical NaN
+  const u16vec half = __builtin_convertvector(word >> 16, u16vec);
+  std::memcpy(p, &half, sizeof(half));
+}
+
+inline void store(at::Half* p, fvec v) {
+#if defined(__AVX512F__)
+  const __m256i h = _mm512_cvtps_ph(bit_cast<__m512>(v), _MM_FROUND_TO_NEAREST_INT);
+  std::memcpy(p, &h, sizeof(h));
+#else
+  for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<at::Half>(v[l]);
+#endif
+}
+
+inline float hsum(fvec v) {
+  const auto halves = bit_cast<std::array<fvec8, 2>>(v);
+  const auto quarters = bit_cast<std::array<fvec4, 2>>(halves[0] + halves[1]);
+  const fvec4 s = quarters[0] + quarters[1];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+typedef int32_t i32vec __attribute__((vector_size(64)));
+
+// exp(x) on 16 lanes (Cephes polynomial, rel. error ~1e-7), x clamped to [-87, 88].
+inline fvec exp_vec(fvec x) {
+  const fvec kRound = fvec{} + 12582912.f;
+  x = x < -87.f ? fvec{} - 87.f : x;
+  x = x > 88.f ? fvec{} + 88.f : x;
+  const fvec shifted = x * 1.44269504088896341f + kRound;
+  const fvec n = shifted - kRound;
+  const i32vec ni = bit_cast<i32vec>(shifted) - bit_cast<i32vec>(kRound);
+  const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  fvec p = fvec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * bit_cast<fvec>((ni + 127) << 23);
+}
+
+inline float hmax(fvec v) {
+  float m = v[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+}
+
+}  // namespace
