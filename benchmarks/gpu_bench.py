@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -61,12 +60,6 @@ def random_checkpoint(path: Path, shape: dict[str, Any], dtype: torch.dtype, dev
     vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
     return path
-
-
-def smollm2_dir() -> Path | None:
-    root = Path(os.environ.get("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm"))
-    path = root / "models" / "SmolLM2-135M-Instruct"
-    return path if (path / "config.json").exists() else None
 
 
 def engine(model: Path, device: str, dtype: torch.dtype, eager: bool, **kw: Any) -> Any:
@@ -251,11 +244,13 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return
+    from pagedllm.prepare import default_model_dir, is_prepared
+
     results: dict[str, Any] = {"torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="pagedllm-gpu-bench-") as tmp:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        model = args.model or smollm2_dir()
-        if model is None:
+        model = args.model or default_model_dir()
+        if not args.model and not is_prepared(model):
             log("SmolLM2 not prepared here: a random checkpoint of its shape")
             model = random_checkpoint(Path(tmp) / "smollm2", SMOLLM2, dtype, args.device)
         results["small"] = bench(model, SMOLLM2, args.device, args.quick)

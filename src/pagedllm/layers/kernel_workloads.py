@@ -115,12 +115,8 @@ def attention_cases(
 
     layout = TritonAttentionBackend().kv_cache_shape
     name = f"{geo.model} {_short(dtype)}"
-    splits_options: list[int | None] = [None]
-    s = 1
-    while s <= max_splits:
-        splits_options.append(s)
-        s *= 2
-    for splits in splits_options:
+    # max_splits is a power of two: 1, 2, 4, ... max_splits
+    for splits in [None, *(1 << i for i in range(max_splits.bit_length()))]:
         step, blocks = make_step(MIXED if splits is None else DECODES, geo.window, device)
         cache = values(*layout(blocks, BLOCK_SIZE, geo.kv_heads, geo.head_dim))
         qkv = values(step.query_start_loc[-1], geo.heads + 2 * geo.kv_heads, geo.head_dim)
