@@ -20,7 +20,7 @@ from pagedllm.serving import settings
 from pagedllm.serving.settings import instance_device
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without CUDA")
-LOGGER = "pagedllm.config"
+LOGGER = "pagedllm.device"
 
 
 def device_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
+from pagedllm.errors import ConfigError
+
+__all__ = ["DEVICES", "ConfigError", "check_device", "resolve_device"]  # re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +30,6 @@ _DTYPES = {
 }
 
 
-class ConfigError(ValueError):
-    """A model directory or an engine setting that cannot be served."""
-
-
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
     """`auto` takes the checkpoint's dtype (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):
@@ -39,50 +39,6 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
     if name not in _DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-DEVICES = "auto, cpu, cuda, cuda:N"
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_RESOLVED = re.compile(r"cpu|cuda:\d+")
-
-
-def check_device(device: str) -> str:
-    """`device` in canonical spelling (lower case, no blanks); ConfigError unless it is one of
-    DEVICES. Says nothing of whether the device exists (`resolve_device` does)."""
-    name = device.strip().lower()
-    if not _DEVICE.fullmatch(name):
-        raise ConfigError(f"unsupported device {device!r}; use one of {DEVICES}")
-    return name
-
-
-def resolve_device(device: str) -> str:
-    """The torch device an engine runs on, "cpu" or "cuda:N", decided once before anything uses
-    it and logged with the reason: "auto" takes the current CUDA device when torch sees one,
-    else the CPU; "cuda" is the current CUDA device. A CUDA device that is not there is a
-    ConfigError, not a torch traceback."""
-    name = check_device(device)
-    if name == "cpu":
-        logger.info("device cpu")
-        return name
-    if not torch.cuda.is_available():
-        if name == "auto":
-            logger.info("device auto -> cpu (no CUDA device)")
-            return "cpu"
-        build = "a CPU-only torch build" if torch.version.cuda is None else "no GPU or driver"
-        raise ConfigError(
-            f"device {name!r} asks for a GPU, but torch sees no CUDA device ({build}); "
-            "use device 'auto' or 'cpu'"
-        )
-    index = int(name[5:]) if name.startswith("cuda:") else torch.cuda.current_device()
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ConfigError(
-            f"device {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-        )
-    resolved = f"cuda:{index}"
-    arrow = "" if name == resolved else f" -> {resolved}"
-    logger.info("device %s%s (%s)", name, arrow, torch.cuda.get_device_name(index))
-    return resolved
 
 
 @dataclass(frozen=True)
@@ -264,10 +220,14 @@ class EngineConfig:
     # KV pool); and whether to run decode steps eagerly instead of through CUDA graphs
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # weight-only quantization (layers/quant.py): None, "int8", "int4" or "gguf" (the model
+    # directory's GGUF file, its quantized tensors kept as they are)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
-        if not _RESOLVED.fullmatch(self.device):  # never "auto" downstream
+        if not RESOLVED.fullmatch(self.device):  # never "auto" downstream
             object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "quantization", check_quantization(self.quantization))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -290,12 +250,15 @@ class EngineConfig:
         attention_backend: str = "auto",
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
         comes from the device's free memory (`gpu_memory_utilization`), not from
-        `kv_cache_memory`."""
+        `kv_cache_memory`. `quantization`: QUANTIZATIONS, or None / "none" for the checkpoint's
+        weights in `dtype`."""
         device = resolve_device(device)
+        quantization = check_quantization(quantization)
         model = ModelConfig.from_model_dir(model_dir)
         context = model.context_length
         model_len = max_model_len or context
@@ -312,7 +275,9 @@ class EngineConfig:
                 free,
                 total,
                 gpu_memory_utilization,
-                weight_bytes=model.num_parameters * torch_dtype.itemsize,
+                weight_bytes=int(
+                    model.num_parameters * _bytes_per_weight(quantization, torch_dtype)
+                ),
                 activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs),
             )
         if num_kv_blocks is None:
@@ -344,7 +309,31 @@ class EngineConfig:
             attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            quantization=quantization,
         )
+
+
+QUANTIZATIONS = ("int8", "int4", "gguf")
+
+
+def check_quantization(value: str | None) -> str | None:
+    """None for no quantization ("none", "" and None), else one of QUANTIZATIONS."""
+    name = (value or "none").strip().lower()
+    if name == "none":
+        return None
+    if name not in QUANTIZATIONS:
+        raise ConfigError(
+            f"unsupported quantization {value!r}; use none, {', '.join(QUANTIZATIONS)}"
+        )
+    return name
+
+
+def _bytes_per_weight(quantization: str | None, dtype: torch.dtype) -> float:
+    """An upper bound of the weights' bytes per parameter (int4: 4-bit values with fp16 scale
+    and min per 32; a GGUF file holds at most 8-bit blocks, or 16-bit tensors)."""
+    return {None: dtype.itemsize, "int8": 1.125, "int4": 1.125, "gguf": dtype.itemsize}[
+        quantization
+    ]
 
 
 def device_kv_cache_budget(

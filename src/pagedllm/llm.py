@@ -26,7 +26,9 @@ PromptType = str | TokensPrompt
 class LLM:
     """Generate for a batch of prompts with continuous batching over a paged KV cache.
     `device`: "auto" (a CUDA device when torch sees one, else the CPU), "cpu", "cuda" or
-    "cuda:N" (`pagedllm.config.resolve_device`)."""
+    "cuda:N" (`pagedllm.config.resolve_device`). `quantization`: weight-only, None (the
+    checkpoint's weights in `dtype`), "int8" (per output channel), "int4" (affine, groups of
+    32) or "gguf" (the model directory's GGUF file, Q8_0 / Q4_0 / Q4_1 kept as they are)."""
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class LLM:
         kv_cache_memory: int = 2 << 30,
         device: str = "auto",
         attention_backend: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -57,6 +60,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory,
             device=device,
             attention_backend=attention_backend,
+            quantization=quantization,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import split_qkv
+from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 
 
 class RMSNorm(nn.Module):
@@ -59,14 +59,14 @@ class DecoderLayer(nn.Module):
 
 class LayerWeights(NamedTuple):
     ln1: torch.Tensor
-    qkv_w: torch.Tensor
+    qkv_w: Weight
     qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
+    o_w: Weight
     o_b: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up_w: torch.Tensor
+    gate_up_w: Weight
     gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: Weight
     down_b: torch.Tensor | None
 
 
@@ -90,25 +90,43 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # weights held quantized (layers.quant), by parameter name; their dense parameters
+        # are left empty
+        self.quantized: dict[str, QuantizedWeight] = {}
         self._weights: list[LayerWeights] = []
+        # (embeddings, lm_head) as the forward pass uses them (a tuple: a Parameter assigned
+        # to a module attribute would be registered again)
+        self._io: tuple[Weight, Weight] = (self.embed_tokens.weight, self.lm_head.weight)
+
+    def set_quantized(self, name: str, weight: QuantizedWeight) -> None:
+        """Hold parameter `name` as `weight` (quantized) and free its dense tensor."""
+        self.quantized[name] = weight
+        param = self.get_parameter(name)
+        param.data = param.data.new_empty(0)
+
+    def weight(self, name: str) -> Weight:
+        return self.quantized.get(name) or self.get_parameter(name)
 
     def finalize_weights(self) -> None:
         """Snapshot the per-layer weight tuples the forward pass uses (after loading)."""
+        w = self.weight
         self._weights = [
             LayerWeights(
                 l.input_layernorm.weight,
-                l.self_attn.qkv_proj.weight,
+                w(f"layers.{i}.self_attn.qkv_proj.weight"),
                 l.self_attn.qkv_proj.bias,
-                l.self_attn.o_proj.weight,
+                w(f"layers.{i}.self_attn.o_proj.weight"),
                 l.self_attn.o_proj.bias,
                 l.post_attention_layernorm.weight,
-                l.mlp.gate_up_proj.weight,
+                w(f"layers.{i}.mlp.gate_up_proj.weight"),
                 l.mlp.gate_up_proj.bias,
-                l.mlp.down_proj.weight,
+                w(f"layers.{i}.mlp.down_proj.weight"),
                 l.mlp.down_proj.bias,
             )
-            for l in self.decoder_layers()  # noqa: E741
+            for i, l in enumerate(self.decoder_layers())  # noqa: E741
         ]
+        embed = w("embed_tokens.weight")
+        self._io = (embed, embed if self.config.tie_word_embeddings else w("lm_head.weight"))
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -119,16 +137,16 @@ class LlamaForCausalLM(nn.Module):
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
         cfg = self.config
         eps = cfg.rms_norm_eps
-        x = self.embed_tokens(input_ids)
+        x = embedding(input_ids, self._io[0], self.norm.weight.dtype)
         residual: torch.Tensor | None = None  # the stream the layers add to, as in vLLM
         for i, w in enumerate(self._weights):
             x, residual = _add_rms_norm(x, residual, w.ln1, eps)
             x = _attention(x, w, ctx, ctx.kv_caches[i], cfg)
             x, residual = _add_rms_norm(x, residual, w.ln2, eps)
-            gate_up = F.linear(x, w.gate_up_w, w.gate_up_b)
-            x = F.linear(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b)
+            gate_up = linear(x, w.gate_up_w, w.gate_up_b)
+            x = linear(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b)
         x, _ = _add_rms_norm(x, residual, self.norm.weight, eps)
-        return F.linear(x[logits_indices], self.lm_head.weight).float()
+        return linear(x[logits_indices], self._io[1]).float()
 
 
 def _add_rms_norm(
@@ -146,8 +164,8 @@ def _attention(
 ) -> torch.Tensor:
     n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
-    qkv = F.linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
+    qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
     cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary)  # q and k, in place, in fp32
     q, kv = split_qkv(qkv, h, kvh)
     o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, hd**-0.5)
-    return F.linear(o.reshape(n, h * hd), w.o_w, w.o_b)
+    return linear(o.reshape(n, h * hd), w.o_w, w.o_b)

@@ -11,6 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ConfigError, ModelConfig
+from pagedllm.layers.quant import QuantizedWeight, quantize, quantize_int8
+from pagedllm.model import gguf
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.rope import interleave_rows
 
@@ -71,9 +73,15 @@ def _target(name: str) -> tuple[str, int | None] | None:
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint:
+    its safetensors, quantized at load if `quantization` is "int8" or "int4" (layers.quant),
+    or with "gguf" its GGUF file, whose quantized tensors are kept as they are."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -82,27 +90,111 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_sizes = _shard_sizes(cfg)
     loaded: set[tuple[str, int | None]] = set()
-    for hf_name, tensor in iter_checkpoint(weight_files(Path(model_dir))):
-        target = _target(hf_name)
-        if target is None or (target[0] == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue
-        ours, shard = target
-        if ours not in params:
-            raise ConfigError(f"unexpected tensor {hf_name!r} in the checkpoint")
-        dest = params[ours].data
-        if shard is not None:
-            sizes = shard_sizes[ours.split(".")[-2]]
-            dest = dest.split(sizes, dim=0)[shard]
-        if dest.shape != tensor.shape:
-            raise ConfigError(
-                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        loaded.add((ours, shard))
+    if quantization == "gguf":
+        _fill_from_gguf(model, params, shard_sizes, loaded, Path(model_dir), cfg)
+    else:
+        tensors = iter_checkpoint(weight_files(Path(model_dir)))
+        for hf_name, tensor in tensors:
+            target = _target(hf_name)
+            if target is not None:
+                _copy(params, shard_sizes, loaded, hf_name, target, tensor, cfg)
     _check_complete(params, shard_sizes, loaded, cfg)
-    _interleave_rotary_rows(model, cfg)
+    if quantization != "gguf":
+        _interleave_rotary_rows(model, cfg)
+    if quantization in ("int8", "int4"):
+        _quantize(model, cfg, quantization)
     model.finalize_weights()
     return model.eval()
+
+
+def _copy(
+    params: dict[str, torch.nn.Parameter],
+    shard_sizes: dict[str, list[int]],
+    loaded: set[tuple[str, int | None]],
+    source: str,
+    target: tuple[str, int | None],
+    tensor: torch.Tensor,
+    cfg: ModelConfig,
+) -> None:
+    ours, shard = target
+    if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+        return
+    if ours not in params:
+        raise ConfigError(f"unexpected tensor {source!r} in the checkpoint")
+    dest = params[ours].data
+    if shard is not None:
+        dest = dest.split(shard_sizes[ours.split(".")[-2]], dim=0)[shard]
+    if dest.shape != tensor.shape:
+        raise ConfigError(
+            f"tensor {source!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+    loaded.add((ours, shard))
+
+
+def _fill_from_gguf(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    shard_sizes: dict[str, list[int]],
+    loaded: set[tuple[str, int | None]],
+    model_dir: Path,
+    cfg: ModelConfig,
+) -> None:
+    device = model.norm.weight.device
+    shards: dict[str, dict[int | None, QuantizedWeight]] = {}
+    for name, tensor in gguf.read_tensors(gguf.gguf_file(model_dir)):
+        target = gguf.target(name)
+        if target is None:
+            continue
+        if isinstance(tensor, torch.Tensor):
+            _copy(params, shard_sizes, loaded, name, target, tensor, cfg)
+            continue
+        ours, shard = target
+        if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ours not in params:
+            raise ConfigError(f"unexpected tensor {name!r} in the GGUF file")
+        shards.setdefault(ours, {})[shard] = tensor
+    for ours, parts in shards.items():
+        expected = shard_sizes.get(ours.split(".")[-2])
+        order = [None] if expected is None else list(range(len(expected)))
+        if set(parts) != set(order):
+            continue  # reported as missing by _check_complete
+        weight = gguf.concat([parts[s] for s in order])
+        if weight.shape != tuple(params[ours].shape):
+            raise ConfigError(
+                f"GGUF tensor for {ours!r} has shape {weight.shape}, expected "
+                f"{tuple(params[ours].shape)}"
+            )
+        model.set_quantized(ours, weight.to(device))
+        loaded.update((ours, s) for s in order)
+
+
+_QUANTIZED_LAYER_WEIGHTS = (
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+)
+
+
+@torch.no_grad()
+def _quantize(model: LlamaForCausalLM, cfg: ModelConfig, method: str) -> None:
+    """The decoder layers' linear weights in `method`; the embeddings (and an untied lm_head)
+    in int8 per row, as llama.cpp keeps its token embeddings at 8 bits in 4-bit files."""
+    names = [
+        f"layers.{i}.{proj}.weight"
+        for i in range(cfg.num_layers)
+        for proj in _QUANTIZED_LAYER_WEIGHTS
+    ]
+    try:
+        for name in names:
+            model.set_quantized(name, quantize(model.get_parameter(name).data, method))
+    except ValueError as e:
+        raise ConfigError(f"cannot quantize this model to {method}: {e}") from e
+    heads = ["embed_tokens.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
+    for name in heads:
+        model.set_quantized(name, quantize_int8(model.get_parameter(name).data))
 
 
 @torch.no_grad()

@@ -35,7 +35,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         use_device(self.device)
         mcfg = config.model
-        self.model = load_model(config.model_dir, mcfg, config.dtype, config.device)
+        self.model = load_model(
+            config.model_dir, mcfg, config.dtype, config.device, config.quantization
+        )
         self.backend = create_attention_backend(config.attention_backend, config.device)
         self.block_size = config.cache.block_size
         num_kv_blocks = config.cache.num_kv_blocks

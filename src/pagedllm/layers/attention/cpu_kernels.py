@@ -64,7 +64,7 @@ _LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (s
 # The C++ sources (src/pagedllm/csrc/): one translation unit, the kernels after their shared
 # SIMD header (each source includes it; it is included once).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp")
 
 
 def _source_text() -> list[str]:
@@ -105,6 +105,10 @@ def _build() -> Any:
             "silu_and_mul",
             "rotary_embedding",
             "write_kv",
+            "linear_dense",
+            "linear_int8",
+            "linear_int4",
+            "dequantize_int4",
         ],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),  # copies: load_inline appends to them
@@ -181,7 +185,7 @@ def paged_decode_attention(
 # run the kernel for CPU tensors of a supported dtype, else plain PyTorch).
 
 
-def _module() -> Any | None:
+def kernel_module() -> Any | None:
     try:
         return _state["module"]
     except KeyError:
@@ -191,7 +195,7 @@ def _module() -> Any | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`(x * rsqrt(mean(x^2, -1) + eps)) * weight` over the last dim, in fp32, rounded once to
     x's dtype (transformers' LlamaRMSNorm in fp32). A new tensor."""
-    module = _module()
+    module = kernel_module()
     out = None if module is None else module.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps) if out is None else out
 
@@ -204,7 +208,7 @@ def fused_add_rms_norm(
     Consumes its inputs: the kernel overwrites them in place (and returns them), the PyTorch
     fallback returns new tensors, so use the returned ones. The norm is that of the sum rounded
     to the dtype, as unfused."""
-    module = _module()
+    module = kernel_module()
     if module is not None and module.fused_add_rms_norm(x, residual, weight, eps):
         return x, residual
     residual = residual + x
@@ -213,7 +217,7 @@ def fused_add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` where `gate, up = gate_up.chunk(2, -1)`, in fp32, rounded once."""
-    module = _module()
+    module = kernel_module()
     out = None if module is None else module.silu_and_mul(gate_up)
     if out is None:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -225,7 +229,7 @@ def rotary_embedding(qk: torch.Tensor, rotary: torch.Tensor) -> None:
     """Rotates `qk` (N, heads, head_dim) in place: each head's interleaved pairs
     (x[2i], x[2i+1]) as complex numbers times `rotary` (N, 1, head_dim / 2) complex64, in fp32,
     rounded once to qk's dtype."""
-    module = _module()
+    module = kernel_module()
     n, heads, head_dim = qk.shape
     if module is not None and module.rotary_embedding(qk, torch.view_as_real(rotary), heads):
         return
@@ -236,6 +240,6 @@ def rotary_embedding(qk: torch.Tensor, rotary: torch.Tensor) -> None:
 def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`kv_cache` (num_blocks, block_size, 2, kv_heads, head_dim) gets each token's keys and
     values `kv` (N, 2, kv_heads, head_dim) in its slot (block * block_size + offset)."""
-    module = _module()
+    module = kernel_module()
     if module is None or not module.write_kv(kv, kv_cache, slot_mapping):
         kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, slot_mapping, kv)

@@ -1,0 +1,56 @@
+"""Which device an engine runs on: "auto", "cpu", "cuda" or "cuda:N", checked and resolved
+once, before anything uses it."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from pagedllm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEVICES = "auto, cpu, cuda, cuda:N"
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+RESOLVED = re.compile(r"cpu|cuda:\d+")
+
+
+def check_device(device: str) -> str:
+    """`device` in canonical spelling (lower case, no blanks); ConfigError unless it is one of
+    DEVICES. Says nothing of whether the device exists (`resolve_device` does)."""
+    name = device.strip().lower()
+    if not _DEVICE.fullmatch(name):
+        raise ConfigError(f"unsupported device {device!r}; use one of {DEVICES}")
+    return name
+
+
+def resolve_device(device: str) -> str:
+    """The torch device an engine runs on, "cpu" or "cuda:N", decided once before anything uses
+    it and logged with the reason: "auto" takes the current CUDA device when torch sees one,
+    else the CPU; "cuda" is the current CUDA device. A CUDA device that is not there is a
+    ConfigError, not a torch traceback."""
+    name = check_device(device)
+    if name == "cpu":
+        logger.info("device cpu")
+        return name
+    if not torch.cuda.is_available():
+        if name == "auto":
+            logger.info("device auto -> cpu (no CUDA device)")
+            return "cpu"
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no GPU or driver"
+        raise ConfigError(
+            f"device {name!r} asks for a GPU, but torch sees no CUDA device ({build}); "
+            "use device 'auto' or 'cpu'"
+        )
+    index = int(name[5:]) if name.startswith("cuda:") else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(
+            f"device {name!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    resolved = f"cuda:{index}"
+    arrow = "" if name == resolved else f" -> {resolved}"
+    logger.info("device %s%s (%s)", name, arrow, torch.cuda.get_device_name(index))
+    return resolved

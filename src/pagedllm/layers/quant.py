@@ -1,0 +1,161 @@
+"""Weight-only quantization: int8 and int4 weights, and the linear layer over them.
+
+Two formats, both with groups along the input dim (K) of a (N, K) weight:
+- int8: `qweight` int8 (N, K), `scales` fp32 (N, K / group): w = q * scale. Symmetric;
+  `quantize_int8` makes one group per output channel (group = K); GGUF's Q8_0 is group 32.
+- int4: `qweight` uint8 (N, K / 2), `scales` and `mins` fp16 (N, K / 32): w = q * scale + min,
+  q in 0..15 (affine). Each group of 32 is packed as GGUF's Q4_1 (byte j: element j in the low
+  nibble, element j + 16 in the high one), so a Q4_1 (or Q4_0: min = -8 * scale) tensor is
+  this format as it is.
+
+`linear(x, w, bias)` takes a dense tensor or a `QuantizedWeight`. On the CPU, a few rows of x
+(decode) go to the C++ kernels (csrc/gemv.cpp), which decode each group in registers and read
+every weight byte once; many rows (prefill) decode the weight once to x's dtype and use the
+dense matmul. Elsewhere (CUDA) the weight is decoded and multiplied by torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.attention import cpu_kernels
+
+INT4_GROUP = 32
+# Up to this many rows of x a CPU linear runs the GEMV kernels (one pass over the weights);
+# past it, decoding the weight once for oneDNN's matmul is faster (benchmarks/gemv_bench.py).
+GEMV_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A (N, K) weight in one of this module's formats (`bits` 8 or 4)."""
+
+    bits: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, packed = self.qweight.shape
+        return n, packed * (8 // self.bits)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scales.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        mins = None if self.mins is None else self.mins.to(device)
+        return replace(
+            self, qweight=self.qweight.to(device), scales=self.scales.to(device), mins=mins
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight in `dtype`, each value computed in fp32."""
+        return _decode(self.qweight, self.scales, self.mins, self.bits).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, decoded (an embedding lookup)."""
+        mins = None if self.mins is None else self.mins[ids]
+        return _decode(self.qweight[ids], self.scales[ids], mins, self.bits).to(dtype)
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def _decode(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
+) -> torch.Tensor:
+    n, groups = scales.shape
+    if bits == 8:
+        return (q.view(n, groups, -1).float() * scales.float()[..., None]).view(n, -1)
+    assert mins is not None
+    packed = q.view(n, groups, INT4_GROUP // 2)
+    values = torch.cat((packed & 0xF, packed >> 4), dim=-1).float()
+    return (values * scales.float()[..., None] + mins.float()[..., None]).view(n, -1)
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 with one fp32 scale per `group_size` inputs (default: per output
+    channel): scale = max |w| / 127, q = round(w / scale)."""
+    n, k = w.shape
+    group = group_size or k
+    if k % group:
+        raise ValueError(f"int8 groups of {group} do not divide the {k} inputs")
+    grouped = w.detach().float().reshape(n, k // group, group)
+    scales = grouped.abs().amax(dim=-1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(grouped / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, q.reshape(n, k).contiguous(), scales.contiguous())
+
+
+def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
+    """Affine 4-bit in groups of 32 (as GGUF's Q4_1): min and scale = (max - min) / 15 per
+    group, stored in fp16; q = round((w - min) / scale) from the stored fp16 values."""
+    n, k = w.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs the inputs ({k}) in groups of {INT4_GROUP}")
+    grouped = w.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((hi - lo) / 15).half()
+    mins = lo.half()
+    inv = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(lo))
+    q = torch.round((grouped - mins.float()[..., None]) * inv[..., None]).clamp_(0, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., : INT4_GROUP // 2] | (q[..., INT4_GROUP // 2 :] << 4)
+    return QuantizedWeight(4, packed.reshape(n, k // 2).contiguous(), scales, mins)
+
+
+def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
+    if method == "int8":
+        return quantize_int8(w)
+    if method == "int4":
+        return quantize_int4(w)
+    raise ValueError(f"unknown quantization {method!r}; use one of int8, int4")
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T + bias` for a dense or quantized (N, K) weight; x is (M, K)."""
+    module = cpu_kernels.kernel_module()
+    few_rows = x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+    if isinstance(w, torch.Tensor):
+        if few_rows and module is not None and w.dtype != torch.float32:
+            out = module.linear_dense(x, w, bias)  # bf16/fp16: oneDNN's GEMV decodes slowly
+            if out is not None:
+                return out
+        return F.linear(x, w, bias)
+    if few_rows and module is not None:
+        if w.bits == 8:
+            out = module.linear_int8(x, w.qweight, w.scales, bias)
+        else:
+            out = module.linear_int4(x, w.qweight, w.scales, w.mins, bias)
+        if out is not None:
+            return out
+    return F.linear(x, _dense(w, x.dtype, module), bias)
+
+
+def _dense(w: QuantizedWeight, dtype: torch.dtype, module: object | None) -> torch.Tensor:
+    if w.bits == 4 and module is not None and w.device.type == "cpu":
+        out = module.dequantize_int4(w.qweight, w.scales, w.mins)  # type: ignore[attr-defined]
+        if out is not None:
+            return out.to(dtype)
+    return w.dequantize(dtype)
+
+
+def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table, dense or quantized, in `dtype`."""
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w)
+    return w.rows(ids, dtype)

@@ -1,0 +1,260 @@
+"""Weight-only quantization (layers/quant.py, csrc/gemv.cpp, model/gguf.py).
+
+Oracles: arithmetic bounds for the quantizers; gguf-py's own block decoders for the GGUF
+formats; dequantize-then-matmul in PyTorch for the kernels; and for whole engines, HF
+transformers running the same checkpoint with every quantized weight replaced by its
+dequantized values (row-wise quantization commutes with our fusing and permuting of rows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hf_greedy, hf_model, make_checkpoint, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ConfigError, EngineConfig
+from pagedllm.layers import quant
+from pagedllm.layers.attention import cpu_kernels
+from pagedllm.model import gguf as gguf_loader
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+
+def test_int8_rounds_each_weight_to_within_half_a_step() -> None:
+    w = torch.randn(37, 96) * torch.logspace(-3, 1, 37)[:, None]
+    for group in (None, 32):
+        qw = quant.quantize_int8(w, group)
+        step = qw.scales.repeat_interleave(qw.group_size, dim=1)
+        assert qw.qweight.dtype == torch.int8 and qw.qweight.abs().max() <= 127
+        assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+        assert (w.abs().amax(1) - qw.dequantize().abs().amax(1)).abs().max() < 1e-6 * 10
+
+
+def test_int4_rounds_each_weight_to_within_half_a_step_of_its_group_range() -> None:
+    w = torch.randn(19, 128) * 3
+    qw = quant.quantize_int4(w)
+    assert qw.qweight.shape == (19, 64) and qw.scales.dtype == torch.float16
+    step = qw.scales.float().repeat_interleave(32, dim=1)
+    # the fp16 rounding of min and scale moves the grid by at most a few ulps of them
+    assert ((qw.dequantize() - w).abs() <= step / 2 + 2e-3 * w.abs().max()).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_decode_exactly_as_gguf_py(qtype: str) -> None:
+    data = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(data, Q[qtype])
+    ours = gguf_loader._tensor(gguf, Q[qtype], blocks, (6, 96), "w")
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, Q[qtype]))
+    assert torch.equal(ours.dequantize(), expected)
+
+
+def test_int4_requantizes_q4_1_values_without_loss() -> None:
+    """Q4_1 is our int4: quantizing a Q4_1 tensor's values gives back the same values."""
+    data = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
+    values = gguf.quants.dequantize(gguf.quants.quantize(data, Q.Q4_1), Q.Q4_1)
+    again = quant.quantize_int4(torch.from_numpy(values)).dequantize()
+    assert torch.allclose(again, torch.from_numpy(values), rtol=0, atol=2e-3 * np.abs(values).max())
+
+
+def _formats(w: torch.Tensor, dtype: torch.dtype) -> dict[str, quant.Weight]:
+    """The weight quantized every way, and dense in the model's dtype (that of x)."""
+    return {
+        "int8/channel": quant.quantize_int8(w),
+        "int8/32": quant.quantize_int8(w, 32),
+        "int4": quant.quantize_int4(w),
+        "dense": w.to(dtype),
+    }
+
+
+@pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="no C++ toolchain")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(67, 64), (5, 576), (130, 1536)])
+def test_linear_matches_dequantize_then_matmul(
+    rows: int, x_dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    """Stated tolerance: 1e-5 of the output's magnitude in fp32 (summation order only); one
+    rounding of y (and of the bias) to bf16 / fp16 when x and y are 16-bit."""
+    torch.manual_seed(rows)
+    n, k = shape
+    w, bias = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(rows, k).to(x_dtype)
+    for name, weight in _formats(w, x_dtype).items():
+        dense = weight.dequantize() if isinstance(weight, quant.QuantizedWeight) else weight
+        b = bias.to(x_dtype)
+        expected = x.double() @ dense.double().T + b.double()
+        out = quant.linear(x, weight, b)
+        assert out.dtype == x_dtype and out.shape == (rows, n), name
+        tol = 1e-5 if x_dtype == torch.float32 else 2**-7
+        err = (out.double() - expected).abs().max() / expected.abs().max()
+        assert err < tol, (name, err)
+
+
+@pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="no C++ toolchain")
+def test_kernels_refuse_what_they_do_not_handle() -> None:
+    """K not a multiple of 32, a non-contiguous weight: None, and linear() still computes."""
+    module = cpu_kernels.kernel_module()
+    w = torch.randn(8, 48)
+    x = torch.randn(2, 48)
+    assert module.linear_dense(x, w.bfloat16(), None) is None
+    q8 = quant.quantize_int8(w)
+    assert module.linear_int8(x, q8.qweight, q8.scales, None) is None
+    assert torch.allclose(quant.linear(x, q8), x @ q8.dequantize().T, atol=1e-5)
+    w64 = torch.randn(64, 8).T  # (8, 64), not contiguous
+    assert module.linear_dense(torch.randn(1, 64), w64.bfloat16(), None) is None
+
+
+# ---- whole engines against HF on the dequantized weights ---------------------------------
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _dequantized_hf(path: Path, method: str) -> Any:
+    """HF's model of `path` with what `LLM(quantization=method)` quantizes replaced by its
+    dequantized values."""
+    model = hf_model(path)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in _LINEARS:
+                module.weight.copy_(quant.quantize(module.weight, method).dequantize())
+        embed = model.get_input_embeddings().weight
+        embed.copy_(quant.quantize_int8(embed).dequantize())
+        head = model.get_output_embeddings().weight
+        if head.data_ptr() != embed.data_ptr():
+            head.copy_(quant.quantize_int8(head).dequantize())
+    return model
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_quantized_engine_matches_hf_on_dequantized_weights(
+    checkpoints: dict[str, Path], arch: str, method: str
+) -> None:
+    """Greedy tokens under batching (12 requests at once), chunked prefill (16-token chunks:
+    prefill rows through the dense path, decode rows through the kernels) and prefix hits
+    (the second run reuses the first run's blocks)."""
+    path = checkpoints[arch]
+    shared = random_prompts(1, (20, 20), 384, seed=5)[0]
+    prompts = [shared + p for p in random_prompts(6, (3, 30), 384, seed=6)]
+    prompts += random_prompts(6, (1, 40), 384, seed=7)
+    expected = hf_greedy(_dequantized_hf(path, method), prompts, 12, eos=None)
+    llm = LLM(str(path), quantization=method, max_num_batched_tokens=16, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hits = []
+    for _ in range(2):  # the second run hits the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        hits.append(llm.engine.scheduler.kv.prefix_hits)
+    assert hits[1] - hits[0] >= 16 * 6  # at least the shared block of the six
+
+
+def _write_gguf(path: Path, hf_dir: Path, qtype: str) -> None:
+    """A llama.cpp-style GGUF of the checkpoint at hf_dir: its projections in `qtype`, q and k
+    rows permuted to the interleaved rotary layout as llama.cpp's converter does, embeddings in
+    Q8_0, norms in F32."""
+    from safetensors.torch import load_file
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.model.rope import interleave_rows
+
+    cfg = ModelConfig.from_model_dir(hf_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    names = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }  # fmt: skip
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, t in sorted(tensors.items()):
+        if name == "model.embed_tokens.weight":
+            out, kind = "token_embd.weight", "Q8_0"
+        elif name == "model.norm.weight":
+            out, kind = "output_norm.weight", "F32"
+        elif name == "lm_head.weight":
+            out, kind = "output.weight", "Q8_0"
+        else:
+            parts = name.split(".")  # model.layers.<i>.<block>[.<proj>].<weight|bias>
+            key = ".".join(parts[3:-1])
+            out = f"blk.{parts[2]}.{names[key]}.{parts[-1]}"
+            kind = qtype if t.dim() == 2 else "F32"
+            heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(parts[-2])
+            if heads:
+                t = interleave_rows(t, heads, cfg.head_dim)
+        data = t.float().numpy()
+        if kind != "F32":
+            data = gguf.quants.quantize(data, Q[kind])
+        writer.add_tensor(out, data, raw_dtype=Q[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_hf(path: Path, hf_dir: Path) -> Any:
+    """HF's model with the GGUF's values (decoded by gguf-py), rows back in HF's layout."""
+    from pagedllm.config import ModelConfig
+
+    cfg = ModelConfig.from_model_dir(hf_dir)
+    reader = gguf.GGUFReader(str(path))
+    values = {
+        t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        for t in reader.tensors
+    }
+    model = hf_model(hf_dir)
+
+    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+        return w.reshape(heads, cfg.head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            a.q_proj.weight.copy_(unpermute(values[f"blk.{i}.attn_q.weight"], cfg.num_heads))
+            a.k_proj.weight.copy_(unpermute(values[f"blk.{i}.attn_k.weight"], cfg.num_kv_heads))
+            for mod, key in ((a.v_proj, "attn_v"), (a.o_proj, "attn_output"),
+                             (m.gate_proj, "ffn_gate"), (m.up_proj, "ffn_up"),
+                             (m.down_proj, "ffn_down")):  # fmt: skip
+                mod.weight.copy_(values[f"blk.{i}.{key}.weight"])
+            if a.q_proj.bias is not None:
+                a.q_proj.bias.copy_(unpermute(values[f"blk.{i}.attn_q.bias"], cfg.num_heads))
+                a.k_proj.bias.copy_(unpermute(values[f"blk.{i}.attn_k.bias"], cfg.num_kv_heads))
+                a.v_proj.bias.copy_(values[f"blk.{i}.attn_v.bias"])
+        model.model.embed_tokens.weight.copy_(values["token_embd.weight"])
+        if "output.weight" in values:
+            model.lm_head.weight.copy_(values["output.weight"])
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_engine_matches_hf_on_the_files_values(tmp_path: Path, arch: str, qtype: str) -> None:
+    """quantization="gguf" reads the file's blocks as they are (and its permuted q/k rows)."""
+    hf_dir = make_checkpoint(tmp_path / arch, arch)
+    _write_gguf(hf_dir / "model.gguf", hf_dir, qtype)
+    prompts = random_prompts(5, (1, 30), 384, seed=3)
+    expected = hf_greedy(_gguf_hf(hf_dir / "model.gguf", hf_dir), prompts, 10, eos=None)
+    llm = LLM(str(hf_dir), quantization="gguf", max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    weights = llm.engine.runner.model.quantized
+    assert {w.bits for w in weights.values()} == ({8} if qtype == "Q8_0" else {4, 8})
+
+
+def test_bad_quantization_settings_are_config_errors(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="unsupported quantization 'int3'"):
+        EngineConfig.create(checkpoints["llama"], quantization="int3", device="cpu")
+    assert EngineConfig.create(checkpoints["llama"], quantization="None").quantization is None
+    with pytest.raises(ConfigError, match=r"exactly one \*\.gguf file .* \(found none\)"):
+        LLM(str(checkpoints["llama"]), quantization="gguf")
+    hf_dir = make_checkpoint(tmp_path / "q5", "llama")
+    _write_gguf(hf_dir / "model.gguf", hf_dir, "Q5_0")
+    with pytest.raises(ConfigError, match="is Q5_0: loading GGUF supports"):
+        LLM(str(hf_dir), quantization="gguf")
