@@ -11,7 +11,8 @@ passes silently. Flags: `stream` (one response per step vs exactly one),
 keys in the JSON object or TensorRT-LLM's `guided_decoding_guide_type` / `_guide` tensors
 (`serving.structured`); the engine compiles the constraint. Inside the ensemble the
 `tokenizer` model adds `input_ids` (the prompt's token ids); `text_input` then only supplies
-the prompt text that a non-streamed output starts with.
+the prompt text that a non-streamed output starts with; and `downstream_cancel_check` (the
+`detokenizer` watches for the client's cancel, so `llm_engine` does not ask Triton too).
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ TRTLLM_INPUTS = (
     "return_context_logits",
     "return_generation_logits",
 )
+# the ensemble's mark (its `tokenizer` step sends it): see GenerateRequest
+DOWNSTREAM_CANCEL_CHECK = "downstream_cancel_check"
 FLAG_INPUTS = (
     "stream",
     "exclude_input_in_output",
     "return_log_probs",
     "return_timing",
     "return_prompt_log_probs",
+    DOWNSTREAM_CANCEL_CHECK,
 )
 
 
@@ -127,6 +131,9 @@ class GenerateRequest:
     # the log-probs the client asked for (`params.logprobs` may be set for cumulative_logprob
     # alone): None, or the number of top alternatives per token
     top_logprobs: int | None = None
+    # set by the ensemble (its `tokenizer` step): the step after `llm_engine` asks Triton
+    # whether the client cancelled and reports it, so `llm_engine` need not ask too
+    downstream_cancel_check: bool = False
 
 
 def _single(name: str, array: np.ndarray) -> Any:
@@ -228,6 +235,7 @@ def parse_request(get: Getter) -> GenerateRequest:
         return_timing=flags.get("return_timing", False),
         extra=extra,
         top_logprobs=params.logprobs if top_logprobs is not None else None,
+        downstream_cancel_check=flags.get(DOWNSTREAM_CANCEL_CHECK, False),
     )
 
 

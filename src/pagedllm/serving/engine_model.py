@@ -142,6 +142,7 @@ class EngineModel:
             extra=int(req.extra),
             top_logprobs=req.top_logprobs,
             prompt_top=params.prompt_logprobs or 0,
+            polled=not req.downstream_cancel_check,
         )
         self._outbox.put(lambda: self._live.__setitem__(stream.request_id, stream))
 
@@ -176,8 +177,10 @@ class EngineModel:
 
     def _respond(self, stream: Stream, out: RequestOutput) -> None:
         # direct clients of this model: a cancelled stream is seen here (never ask a sender
-        # after its final response: the server does not survive it)
-        if self._cancel_polls.due(stream.request_id, out.finished) and stream.is_cancelled():
+        # after its final response: the server does not survive it); the ensemble's clients
+        # are the detokenizer's to watch
+        due = stream.polled and self._cancel_polls.due(stream.request_id, out.finished)
+        if due and stream.is_cancelled():
             self._cancel_polls.forget(stream.request_id)
             self.cancelled(stream.request_id)  # its final (abort) output follows
             return
@@ -206,7 +209,7 @@ class EngineModel:
                 continue
             stream.last_sent = now
             try:
-                if stream.is_cancelled():  # a direct client left
+                if stream.polled and stream.is_cancelled():  # a direct client left
                     self.cancelled(stream.request_id)
                 else:
                     stream.send(stream.probe(), False)

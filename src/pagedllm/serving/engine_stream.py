@@ -107,6 +107,8 @@ class Stream:
     top_logprobs: int | None = None  # the log-probs asked for: the alternatives per token
     prompt_top: int = 0  # the alternatives per prompt token, when prompt log-probs are asked
     n: int = 1  # sequences per request (n > 1: detokenized here)
+    # ask Triton whether the client cancelled (False: the next step does, `codec`)
+    polled: bool = True
     output_ids: list[int] = dataclasses.field(default_factory=list)
     counts: dict[int, int] = dataclasses.field(default_factory=dict)  # n > 1: tokens so far
     responses: int = 0

@@ -9,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.serving.cancel_polls import CancelPolls
-from pagedllm.serving.codec import Extra, Getter, RequestError, prompt_ids
+from pagedllm.serving.codec import (
+    DOWNSTREAM_CANCEL_CHECK,
+    Extra,
+    Getter,
+    RequestError,
+    prompt_ids,
+)
 from pagedllm.serving.engine_stream import META, Tensors
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES
 from pagedllm.serving.vllm_outputs import vllm_outputs
@@ -94,6 +100,14 @@ def _ints(get: Getter, name: str) -> list[int]:
     return [int(v) for v in array.reshape(-1)]
 
 
+def _for_engine(ids: np.ndarray) -> Tensors:
+    """The tokenizer's outputs: the prompt's ids, and `downstream_cancel_check` — in the
+    ensemble, the `detokenizer` after `llm_engine` asks Triton whether the client cancelled
+    (DESIGN.md fact 5): `llm_engine` need not ask too, which saves a round trip from its stub
+    to the server per response."""
+    return {"input_ids": ids, DOWNSTREAM_CANCEL_CHECK: np.array([True])}
+
+
 class TokenizerModel:
     def __init__(self, tokenizer: Tokenizer, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES):
         self.tokenizer = tokenizer
@@ -102,7 +116,7 @@ class TokenizerModel:
     def handle(self, get: Getter) -> Tensors:
         ids = get("input_ids")
         if ids is not None:  # the prompt as token ids: checked here, not tokenized
-            return {"input_ids": np.array(prompt_ids(ids), dtype=np.int32)}
+            return _for_engine(np.array(prompt_ids(ids), dtype=np.int32))
         raw = _scalar(get, "text_input")
         if not isinstance(raw, bytes):
             raise RequestError("text_input must be a BYTES (string) tensor")
@@ -118,7 +132,7 @@ class TokenizerModel:
                 f"text_input is not valid UTF-8 ({e.reason} at byte {e.start})"
             ) from None
         # as the engine encodes a text prompt (special tokens added, e.g. a BOS)
-        return {"input_ids": np.array(self.tokenizer.encode(text), dtype=np.int32)}
+        return _for_engine(np.array(self.tokenizer.encode(text), dtype=np.int32))
 
 
 class DetokenizerModel:
