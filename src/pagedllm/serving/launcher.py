@@ -66,6 +66,7 @@ def make_server(
     *,
     ports: tuple[int, int, int] | None = None,
     dtype: str = "auto",
+    quantization: str | None = None,
     work_dir: Path | None = None,
     log_file: Path | None = None,
     log_verbose: int = 0,
@@ -75,7 +76,8 @@ def make_server(
     ``work_dir`` (default ``~/.cache/pagedllm/triton``) holds ``backends/``, shared by all
     servers, and ``logs/``, where each server gets a log file of its own (:func:`new_log_file`)
     unless ``log_file`` names one (appended to). ``ports``: (HTTP, gRPC, metrics), default free
-    ones. `env`: more settings for the models, e.g. PAGEDLLM_TRACE_FILE (docs/serving.md)."""
+    ones. `quantization`: llm_engine's (default: its config's, "none"). `env`: more settings for
+    the models, e.g. PAGEDLLM_TRACE_FILE (docs/serving.md)."""
     work = work_dir or Path.home() / ".cache" / "pagedllm" / "triton"
     backend = prepare_backend_dir(work / "backends", f"{sys.version_info[0]}.{sys.version_info[1]}")
     log_path = Path(log_file).resolve() if log_file else new_log_file(work / "logs")
@@ -91,6 +93,7 @@ def make_server(
         env={
             "PAGEDLLM_MODEL_DIR": model_dir,
             "PAGEDLLM_DTYPE": dtype,
+            **({"PAGEDLLM_QUANTIZATION": quantization} if quantization else {}),
             "PAGEDLLM_DRAIN_FILE": str(drain_file),
             **(env or {}),
         },
@@ -144,11 +147,13 @@ def serve(
     dtype: str,
     env: dict[str, str] | None = None,
     log_file: Path | None = None,
+    quantization: str | None = None,
 ) -> int:
     server = make_server(
         model_dir,
         ports=(http_port, grpc_port, metrics_port),
         dtype=dtype,
+        quantization=quantization,
         env=env,
         log_file=log_file,
     )

@@ -80,6 +80,7 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         gpu_memory_utilization=float(get("gpu_memory_utilization", "0.9")),
         enforce_eager=to_bool("enforce_eager", get("enforce_eager", "false")),
         dtype=get("dtype", "auto"),
+        quantization=get("quantization", "none"),
         max_num_seqs=int(get("max_num_seqs", "64")),
         max_model_len=int(get("max_model_len", "0")) or None,  # 0: the model's context
         kv_cache_memory=int(float(get("kv_cache_memory_gib", "2")) * (1 << 30)),
