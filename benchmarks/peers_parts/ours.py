@@ -41,24 +41,19 @@ def make_llm(model: str, precision: str, **kwargs: Any) -> Any:
 
 
 def weight_bytes(llm: Any) -> int:
-    """Bytes of the weights one decode step reads: every linear layer and the LM head (the
-    embedding lookup reads one row; norms are negligible)."""
+    """Bytes of the weights one decode step reads, as held (dense or quantized): every linear
+    layer and the LM head (the embedding lookup reads one row; norms are negligible)."""
     m = llm.engine.runner.model
-    mods = [
-        lin
-        for layer in m.decoder_layers()
-        for lin in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ] + [m.lm_head]
-    total = 0
-    for mod in mods:
-        w = mod.weight
-        total += w.nbytes if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
-    return total
+    names = [
+        f"{name}.weight"
+        for name, mod in m.named_modules()
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head"
+    ]
+    return sum(_nbytes(m.weight(n)) for n in names) + _nbytes(m._io[1])  # _io: (embed, head)
+
+
+def _nbytes(w: Any) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else int(w.nbytes)
 
 
 def decode(model: str, precision: str, batch: int, ctx: int, steps: int) -> dict[str, Any]:

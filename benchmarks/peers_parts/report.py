@@ -28,7 +28,7 @@ def _row(engine: str, precision: str, res: dict[str, Any]) -> str:
     if "skipped" in res or "error" in res:
         why = res.get("skipped") or f"error: {res['error'][:80]}"
         return f"| {name} | {why} |" + " |" * 10
-    one = next((d for d in res["decode"] if d["batch"] == 1), {})
+    one: dict[str, Any] = next((d for d in res["decode"] if d["batch"] == 1), {})
     bw = one.get("bandwidth", {}).get("fraction_of_bandwidth", "")
     mix, ppl = res.get("mix", {}), res.get("perplexity", {})
     cells = [
