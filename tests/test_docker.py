@@ -332,6 +332,7 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: Yaml) -> None:
     assert created == {
         "model_dir": environ["PAGEDLLM_MODEL_DIR"],
         "dtype": "bfloat16",
+        "quantization": "none",
         "max_num_seqs": 7,
         "max_model_len": 96,
         "kv_cache_memory": GIB // 2,

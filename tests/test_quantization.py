@@ -258,3 +258,24 @@ def test_bad_quantization_settings_are_config_errors(
     _write_gguf(hf_dir / "model.gguf", hf_dir, "Q5_0")
     with pytest.raises(ConfigError, match="is Q5_0: loading GGUF supports"):
         LLM(str(hf_dir), quantization="gguf")
+
+
+def test_serving_settings_and_cli_defaults(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm_engine's `quantization` parameter (PAGEDLLM_QUANTIZATION overrides it) reaches the
+    engine's config; `pagedllm serve` runs the default model on its GGUF on a CPU."""
+    from pagedllm.cli import main
+    from pagedllm.serving import launcher
+    from pagedllm.serving.settings import engine_config
+
+    params = {"model_dir": str(checkpoints["llama"]), "quantization": "int4"}
+    monkeypatch.delenv("PAGEDLLM_QUANTIZATION", raising=False)
+    assert engine_config(params).quantization == "int4"
+    monkeypatch.setenv("PAGEDLLM_QUANTIZATION", "int8")
+    assert engine_config(params).quantization == "int8"
+    calls: list[Any] = []
+    monkeypatch.setattr(launcher, "serve", lambda *args: calls.append(args[-1]) or 0)
+    for argv in (["serve"], ["serve", "--model", "/m"], ["serve", "--quantization", "int4"]):
+        assert main(argv) == 0
+    assert calls == ["gguf", "none", "int4"]
