@@ -279,3 +279,17 @@ def test_serving_settings_and_cli_defaults(
     for argv in (["serve"], ["serve", "--model", "/m"], ["serve", "--quantization", "int4"]):
         assert main(argv) == 0
     assert calls == ["gguf", "none", "int4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_engine_on_a_gpu_matches_hf(checkpoints: dict[str, Path], method: str) -> None:
+    """On CUDA the weights are decoded by torch for cuBLAS (CUDA graphs capture that too)."""
+    path = checkpoints["llama"]
+    prompts = random_prompts(4, (5, 30), 384, seed=9)
+    expected = hf_greedy(_dequantized_hf(path, method), prompts, 8, eos=None)
+    llm = LLM(str(path), quantization=method, device="cuda", max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

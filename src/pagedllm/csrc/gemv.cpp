@@ -279,8 +279,35 @@ std::optional<torch::Tensor> linear_int4(torch::Tensor x, torch::Tensor q, torch
   return run_linear(w, x, n, bias, k / 2 + 4 * k / kGroup);
 }
 
-// The whole int4 / int8 weight decoded to fp32 (N, K): for many rows of x, where a dense
+namespace {
+
+// The whole weight decoded to fp32 (n, k), rows spread over threads.
+template <typename W>
+torch::Tensor decode_all(const W& w, int64_t n, int64_t k, const torch::TensorOptions& options) {
+  torch::Tensor out = torch::empty({n, k}, options.dtype(torch::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+    std::vector<float> sc(k / kGroup), mn(k / kGroup);
+    for (int64_t r = r0; r < r1; ++r) decode_row(w, r, k, o + r * k, sc.data(), mn.data());
+  });
+  return out;
+}
+
+}  // namespace
+
+// The whole int8 / int4 weight decoded to fp32 (N, K): for many rows of x, where a dense
 // matmul (oneDNN) beats decoding each weight per call.
+std::optional<torch::Tensor> dequantize_int8(torch::Tensor q, torch::Tensor scales) {
+  const int64_t n = q.size(0), k = q.size(1);
+  if (k % kGroup != 0 || !weight_ok(q, n, k, torch::kChar) || scales.dim() != 2 ||
+      scales.size(1) == 0 || k % scales.size(1) != 0 || (k / scales.size(1)) % kGroup != 0 ||
+      !weight_ok(scales, n, scales.size(1), torch::kFloat))
+    return std::nullopt;
+  const int64_t per_scale = k / scales.size(1) / kGroup;
+  const Int8W w{q.data_ptr<int8_t>(), scales.data_ptr<float>(), k, per_scale, scales.size(1)};
+  return decode_all(w, n, k, scales.options());
+}
+
 std::optional<torch::Tensor> dequantize_int4(torch::Tensor q, torch::Tensor scales,
                                              torch::Tensor mins) {
   const int64_t n = q.size(0), k = q.size(1) * 2;
@@ -289,11 +316,5 @@ std::optional<torch::Tensor> dequantize_int4(torch::Tensor q, torch::Tensor scal
       !weight_ok(mins, n, k / kGroup, torch::kHalf))
     return std::nullopt;
   const Int4W w{q.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), k};
-  torch::Tensor out = torch::empty({n, k}, scales.options().dtype(torch::kFloat));
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
-    std::vector<float> sc(k / kGroup), mn(k / kGroup);
-    for (int64_t r = r0; r < r1; ++r) decode_row(w, r, k, o + r * k, sc.data(), mn.data());
-  });
-  return out;
+  return decode_all(w, n, k, scales.options());
 }

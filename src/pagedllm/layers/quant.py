@@ -17,6 +17,7 @@ dense matmul. Elsewhere (CUDA) the weight is decoded and multiplied by torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,8 @@ from pagedllm.layers.attention import cpu_kernels
 
 INT4_GROUP = 32
 # Up to this many rows of x a CPU linear runs the GEMV kernels (one pass over the weights);
-# past it, decoding the weight once for oneDNN's matmul is faster (benchmarks/gemv_bench.py).
+# past it, decoding the weight once for oneDNN's matmul is faster (benchmarks/gemv_bench.py
+# times both sides).
 GEMV_MAX_ROWS = 16
 
 
@@ -146,12 +148,15 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return F.linear(x, _dense(w, x.dtype, module), bias)
 
 
-def _dense(w: QuantizedWeight, dtype: torch.dtype, module: object | None) -> torch.Tensor:
-    if w.bits == 4 and module is not None and w.device.type == "cpu":
-        out = module.dequantize_int4(w.qweight, w.scales, w.mins)  # type: ignore[attr-defined]
-        if out is not None:
-            return out.to(dtype)
-    return w.dequantize(dtype)
+def _dense(w: QuantizedWeight, dtype: torch.dtype, module: Any | None) -> torch.Tensor:
+    """The weight decoded for a dense matmul: by the C++ kernels on the CPU, else by torch."""
+    out = None
+    if module is not None and w.device.type == "cpu":
+        if w.bits == 8:
+            out = module.dequantize_int8(w.qweight, w.scales)
+        else:
+            out = module.dequantize_int4(w.qweight, w.scales, w.mins)
+    return w.dequantize(dtype) if out is None else out.to(dtype)
 
 
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -65,6 +65,20 @@ _LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (s
 # SIMD header (each source includes it; it is included once).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp")
+# the functions the extension exports (part of its name: a build never lacks one)
+_FUNCTIONS = (
+    "paged_decode_attention",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotary_embedding",
+    "write_kv",
+    "linear_dense",
+    "linear_int8",
+    "linear_int4",
+    "dequantize_int8",
+    "dequantize_int4",
+)
 
 
 def _source_text() -> list[str]:
@@ -87,7 +101,8 @@ def _cpu_identity() -> str:
 
 def extension_name() -> str:
     header = (CSRC / "vec.h").read_text(encoding="utf-8")
-    parts = [header, *_source_text(), *_CFLAGS, *_LDFLAGS, torch.__version__, _cpu_identity()]
+    parts = [header, *_source_text(), *_FUNCTIONS, *_CFLAGS, *_LDFLAGS]
+    parts += [torch.__version__, _cpu_identity()]
     key = "\n".join(parts)
     return "pagedllm_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -98,18 +113,7 @@ def _build() -> Any:
     return load_inline(
         name=extension_name(),
         cpp_sources=_source_text(),
-        functions=[
-            "paged_decode_attention",
-            "rms_norm",
-            "fused_add_rms_norm",
-            "silu_and_mul",
-            "rotary_embedding",
-            "write_kv",
-            "linear_dense",
-            "linear_int8",
-            "linear_int4",
-            "dequantize_int4",
-        ],
+        functions=list(_FUNCTIONS),
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),  # copies: load_inline appends to them
         extra_include_paths=[str(CSRC)],
