@@ -30,6 +30,7 @@ for the plot; neither is a dependency of the project or its tests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import platform
@@ -131,7 +132,7 @@ def add_bandwidth_fractions(rep: dict[str, Any], model_cfg: dict[str, Any]) -> N
     for engine, rows in rep["results"].items():
         for precision, res in rows.items():
             one = next((d for d in res.get("decode", []) if d["batch"] == 1), None)
-            if one is None:
+            if one is None or "step_ms" not in one:
                 continue
             if engine == "llamacpp":
                 weights, kv_elem = res["gguf"]["weight_bytes"], common.KV_BYTES["f16"]
@@ -153,6 +154,10 @@ def main() -> None:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "peers.png"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
+        "--configs", help="decode configs BxC,... (default: 1x128,8x128,8x1024,32x128,32x1024)"
+    )
+    ap.add_argument("--ppl-chunks", type=int, help="score only the first N windows (default: all)")
+    ap.add_argument(
         "--max-minutes", type=float, default=0, help="start no part after this (0: no limit)"
     )
     args = ap.parse_args()
@@ -163,6 +168,13 @@ def main() -> None:
         has = (prepared / "config.json").exists() and (prepared / "model.gguf").exists()
         args.model = str(prepared if has else prepare_smollm2())
     budget = Budget.quick() if args.quick else Budget()
+    if args.configs:
+        pairs = [c.split("x") for c in args.configs.split(",")]
+        budget = dataclasses.replace(
+            budget, decode_configs=tuple((int(b), int(c)) for b, c in pairs)
+        )
+    if args.ppl_chunks is not None:
+        budget = dataclasses.replace(budget, ppl_max_chunks=args.ppl_chunks)
     rep: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -7,6 +7,7 @@ import os
 import random
 import statistics
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -131,10 +132,14 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def with_load(fn: Any, *args: Any) -> dict[str, Any]:
-    """`fn(*args)`'s dict with the load average before and after it."""
+def with_load(fn: Any, *args: Any, **tags: Any) -> dict[str, Any]:
+    """`fn(*args)`'s dict with the load average before and after it; a failure is recorded
+    (with `tags`, the traceback's end) and the next part runs."""
     before = loadavg()
-    out = fn(*args)
+    try:
+        out = fn(*args)
+    except Exception as exc:
+        out = {**tags, "error": "".join(traceback.format_exception(exc))[-1500:]}
     return {**out, "loadavg_before": before, "loadavg_after": loadavg()}
 
 

@@ -142,7 +142,11 @@ def run_all(model: str, precision: str, budget_d: dict[str, Any]) -> dict[str, A
     hf = load(model, precision)
     res: dict[str, Any] = {"decode": []}
     for batch, ctx in budget.decode_configs:
-        res["decode"].append(common.with_load(decode, hf, batch, ctx, budget.decode_steps))
+        res["decode"].append(
+            common.with_load(
+                decode, hf, batch, ctx, budget.decode_steps, batch=batch, context_tokens=ctx
+            )
+        )
     res["mix"] = common.with_load(mix, hf, budget)
     if precision == "fp32":  # a check on ours: the same windows, the same scoring
         res["perplexity"] = common.with_load(ppl, hf, model, budget)

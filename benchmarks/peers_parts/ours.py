@@ -61,11 +61,14 @@ def decode(model: str, precision: str, batch: int, ctx: int, steps: int) -> dict
     them decoding (mean step time, as llama-batched-bench's S_TG)."""
     from pagedllm import SamplingParams
 
+    # NOTE: the prompts admitted first decode while the later ones prefill (chunks of the token
+    # budget), so max_tokens leaves room for those steps: no request may finish before the end
+    max_tokens = steps + batch * ctx // 512 + 8
     llm = make_llm(
         model,
         precision,
         max_num_seqs=batch,
-        max_model_len=ctx + steps + 16,
+        max_model_len=ctx + max_tokens + 16,
         enable_prefix_caching=False,
     )
     eng = llm.engine
@@ -73,7 +76,7 @@ def decode(model: str, precision: str, batch: int, ctx: int, steps: int) -> dict
         {"prompt_token_ids": [100, 101, 102]}, SamplingParams(max_tokens=2), use_tqdm=False
     )
     prompts = common.decode_prompts(eng.config.model.vocab_size, batch, ctx)
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(f"d{i}", p, params)
@@ -82,7 +85,7 @@ def decode(model: str, precision: str, batch: int, ctx: int, steps: int) -> dict
     prefill = time.perf_counter() - start
     eng.step()
     total = sum(_once(eng.step) for _ in range(steps))
-    assert eng.scheduler.num_running == batch
+    assert eng.scheduler.num_running == batch, f"{eng.scheduler.num_running} running, not {batch}"
     step = total / steps
     out = {
         "batch": batch,
@@ -114,9 +117,9 @@ def mix(model: str, precision: str, budget: Budget) -> dict[str, Any]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == sum(m for _, m in reqs)
+    assert n_out == sum(m for _, m in reqs), f"{n_out} tokens, not {sum(m for _, m in reqs)}"
     ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics is not None]
-    assert len(ttfts) == len(outs) and all(t is not None for t in ttfts)
+    assert len(ttfts) == len(outs) and all(t is not None for t in ttfts), "a TTFT is missing"
     return {
         "requests": len(reqs),
         "concurrency": budget.mix_concurrency,
@@ -162,7 +165,16 @@ def run_all(model: str, precision: str, budget_d: dict[str, Any]) -> dict[str, A
     res: dict[str, Any] = {"decode": []}
     for batch, ctx in budget.decode_configs:
         res["decode"].append(
-            common.with_load(decode, model, precision, batch, ctx, budget.decode_steps)
+            common.with_load(
+                decode,
+                model,
+                precision,
+                batch,
+                ctx,
+                budget.decode_steps,
+                batch=batch,
+                context_tokens=ctx,
+            )
         )
     res["mix"] = common.with_load(mix, model, precision, budget)
     if precision != "bf16":

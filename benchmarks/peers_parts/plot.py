@@ -25,7 +25,7 @@ COLORS = {"pagedllm": "tab:blue", "llamacpp": "tab:orange", "hf": "tab:gray"}
 def _dec(res, batch, ctx, key="tokens_per_s"):
     for d in res.get("decode", []):
         if d["batch"] == batch and d["context_tokens"] == ctx:
-            return d[key]
+            return d.get(key)
     return None
 
 

@@ -18,7 +18,7 @@ def _decode(res: dict[str, Any], batch: int, ctx: int, key: str = "tokens_per_s"
         (d for d in res.get("decode", []) if d["batch"] == batch and d["context_tokens"] == ctx),
         None,
     )
-    return "" if row is None else f"{row[key]:g}"
+    return "" if row is None else f"{row[key]:g}" if key in row else "error"
 
 
 def _row(engine: str, precision: str, res: dict[str, Any]) -> str:
