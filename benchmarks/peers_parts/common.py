@@ -161,3 +161,28 @@ def perplexity(nlls: list[float]) -> float:
     import math
 
     return math.exp(sum(nlls) / len(nlls))
+
+
+def mix_result(
+    requests: int, concurrency: int, elapsed: float, output_tokens: int, ttfts_s: list[float]
+) -> dict[str, Any]:
+    """One engine's figures for the request mix."""
+    return {
+        "requests": requests,
+        "concurrency": concurrency,
+        "seconds": round(elapsed, 2),
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": round(output_tokens / elapsed, 1),
+        **latency_summary(ttfts_s),
+    }
+
+
+def ppl_result(tokens: list[int], budget: Budget, chunks: int, nlls: list[float]) -> dict[str, Any]:
+    """One engine's perplexity of the text, with what was scored."""
+    return {
+        "text_tokens": len(tokens),
+        "ctx": budget.ppl_ctx,
+        "chunks": chunks,
+        "scored_tokens": len(nlls),
+        "ppl": round(perplexity(nlls), 4),
+    }

@@ -105,14 +105,7 @@ def mix(hf: Any, budget: Budget) -> dict[str, Any]:
     # a static batch runs until its longest request is done; the useful tokens are each
     # request's own max_tokens
     useful = sum(m for _, m in reqs)
-    return {
-        "requests": len(reqs),
-        "concurrency": bs,
-        "seconds": round(elapsed, 2),
-        "output_tokens": useful,
-        "output_tokens_per_s": round(useful / elapsed, 1),
-        **common.latency_summary(ttfts),
-    }
+    return common.mix_result(len(reqs), bs, elapsed, useful, ttfts)
 
 
 @torch.inference_mode()
@@ -126,13 +119,7 @@ def ppl(hf: Any, model: str, budget: Budget) -> dict[str, Any]:
         logits = hf(input_ids=torch.tensor([chunk])).logits[0].float()
         lp = torch.log_softmax(logits, -1)
         nlls += [-lp[j - 1, chunk[j]].item() for j in common.ppl_scored(len(chunk))]
-    return {
-        "text_tokens": len(tokens),
-        "ctx": budget.ppl_ctx,
-        "chunks": len(chunks),
-        "scored_tokens": len(nlls),
-        "ppl": round(common.perplexity(nlls), 4),
-    }
+    return common.ppl_result(tokens, budget, len(chunks), nlls)
 
 
 def run_all(model: str, precision: str, budget_d: dict[str, Any]) -> dict[str, Any]:

@@ -183,13 +183,9 @@ def mix(bins: dict[str, Path], model: Path, vocab: int, budget: Budget) -> dict[
     n_out = sum(n for _, n in done)
     if n_out != sum(m for _, m in reqs):
         raise RuntimeError(f"llama-server made {n_out} tokens, not {sum(m for _, m in reqs)}")
+    ttfts = [t for t, _ in done]
     return {
-        "requests": len(reqs),
-        "concurrency": budget.mix_concurrency,
-        "seconds": round(elapsed, 2),
-        "output_tokens": n_out,
-        "output_tokens_per_s": round(n_out / elapsed, 1),
-        **common.latency_summary([t for t, _ in done]),
+        **common.mix_result(len(reqs), budget.mix_concurrency, elapsed, n_out, ttfts),
         "loadavg_before": before,
         "loadavg_after": common.loadavg(),
     }

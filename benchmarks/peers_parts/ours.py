@@ -120,14 +120,8 @@ def mix(model: str, precision: str, budget: Budget) -> dict[str, Any]:
     assert n_out == sum(m for _, m in reqs), f"{n_out} tokens, not {sum(m for _, m in reqs)}"
     ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics is not None]
     assert len(ttfts) == len(outs) and all(t is not None for t in ttfts), "a TTFT is missing"
-    return {
-        "requests": len(reqs),
-        "concurrency": budget.mix_concurrency,
-        "seconds": round(elapsed, 2),
-        "output_tokens": n_out,
-        "output_tokens_per_s": round(n_out / elapsed, 1),
-        **common.latency_summary([float(t) for t in ttfts if t is not None]),
-    }
+    done = [float(t) for t in ttfts if t is not None]
+    return common.mix_result(len(reqs), budget.mix_concurrency, elapsed, n_out, done)
 
 
 def ppl(model: str, precision: str, budget: Budget) -> dict[str, Any]:
@@ -148,13 +142,7 @@ def ppl(model: str, precision: str, budget: Budget) -> dict[str, Any]:
             entry = lps[j]
             assert entry is not None
             nlls.append(-entry[chunk[j]].logprob)
-    return {
-        "text_tokens": len(tokens),
-        "ctx": budget.ppl_ctx,
-        "chunks": len(chunks),
-        "scored_tokens": len(nlls),
-        "ppl": round(common.perplexity(nlls), 4),
-    }
+    return common.ppl_result(tokens, budget, len(chunks), nlls)
 
 
 def run_all(model: str, precision: str, budget_d: dict[str, Any]) -> dict[str, Any]:

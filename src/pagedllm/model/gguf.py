@@ -68,8 +68,10 @@ def target(name: str) -> tuple[str, int | None] | None:
 def read_tensors(path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Every tensor of the file by its GGUF name: dense ones as fp32 tensors (N, K) or (K,),
     quantized ones as QuantizedWeight."""
-    import gguf
-
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConfigError("quantization 'gguf' needs the gguf package: pip install gguf") from e
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
