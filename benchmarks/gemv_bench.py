@@ -1,13 +1,15 @@
-"""Linear layers of SmolLM2-135M's shapes, every weight format, 1 to 64 rows: printing JSON.
+"""Linear layers of SmolLM2-135M's shapes, every weight format, 1 to 256 rows: printing JSON.
 
-    .venv/bin/python benchmarks/gemv_bench.py [--rows 1,4,16,17,32,64] [--output FILE]
+    .venv/bin/python benchmarks/gemv_bench.py [--rows 1,16,32,64,128,256] [--output FILE]
 
 For each format (fp32 / bf16 dense, int8 per channel, int4 groups of 32) and each number of
 activation rows, the time of `layers.quant.linear` over the model's four projection shapes
-plus lm_head (one decoder layer's worth of each, the head once: the mix of a decode step),
-next to PyTorch's own (`F.linear` on the dense or the dequantized weight), as medians of
-interleaved runs; and the weight bytes read per second. Where the kernels' time passes the
-dense path's is where `GEMV_MAX_ROWS` belongs. Sequential, 2 threads, load average recorded.
+plus lm_head (one decoder layer's worth of each, the head once: the mix of a decode step) on
+the C++ kernels ("kernel") and on the path past `KERNEL_MAX_ROWS` ("fallback": oneDNN, after
+decoding a quantized weight), next to PyTorch's own `F.linear` on the dense or dequantized
+weight ("torch"), as medians of interleaved runs; and the weight bytes the kernels read per
+second. Where "kernel" passes "fallback" is where `KERNEL_MAX_ROWS` belongs. Sequential, 2
+threads, load average recorded.
 """
 
 from __future__ import annotations
@@ -56,9 +58,20 @@ def nbytes(weight: quant.Weight) -> int:
     return weight.numel() * weight.element_size()
 
 
+def with_max_rows(limit: int, pairs: list[tuple[torch.Tensor, quant.Weight]]) -> None:
+    """quant.linear over `pairs` with the kernels taking up to `limit` rows (0: never)."""
+    saved = dict(quant.KERNEL_MAX_ROWS)
+    quant.KERNEL_MAX_ROWS.update({key: limit for key in saved})
+    try:
+        for x, w in pairs:
+            quant.linear(x, w)
+    finally:
+        quant.KERNEL_MAX_ROWS.update(saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,4,16,17,32,64")
+    ap.add_argument("--rows", default="1,16,32,64,128,256")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
@@ -73,9 +86,10 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k).to(act) for _, k in SHAPES]
             pairs, dense_pairs = list(zip(xs, ws, strict=True)), list(zip(xs, refs, strict=True))
-            ms_ours, ms_torch = median_ms(
+            ms_kernel, ms_fallback, ms_torch = median_ms(
                 [
-                    lambda p=pairs: [quant.linear(x, w) for x, w in p],
+                    lambda p=pairs: with_max_rows(1 << 30, p),
+                    lambda p=pairs: with_max_rows(0, p),
                     lambda p=dense_pairs: [F.linear(x, w) for x, w in p],
                 ],
                 args.reps,
@@ -85,16 +99,17 @@ def main() -> None:
                 {
                     "format": fmt,
                     "rows": rows,
-                    "ms": round(ms_ours, 3),
+                    "kernel_ms": round(ms_kernel, 3),
+                    "fallback_ms": round(ms_fallback, 3),
                     "torch_ms": round(ms_torch, 3),
-                    "weight_gb_per_s": round(total / ms_ours / 1e6, 2),
+                    "kernel_weight_gb_per_s": round(total / ms_kernel / 1e6, 2),
                     "weight_mb": round(total / 1e6, 1),
                 }
             )
             print(json.dumps(results[-1]), flush=True)
     doc = {
         "threads": torch.get_num_threads(),
-        "gemv_max_rows": quant.GEMV_MAX_ROWS,
+        "kernel_max_rows": quant.KERNEL_MAX_ROWS,
         "load_average_before_after": [load_before, os.getloadavg()],
         "torch_column": "F.linear on the dense weight (fp32, bf16) or on the weight "
         "dequantized beforehand (int8, int4): what the kernels replace",

@@ -4,10 +4,10 @@
 namespace {
 
 constexpr int64_t kMaxGroup = 16;
-constexpr int64_t kMaxVecs = 16;  // head_dim <= 256
+constexpr int64_t kMaxVecs = 256 / kLanes;  // head_dim <= 256
 constexpr int64_t kTile = 32;  // keys per online-softmax update
 constexpr int64_t kMaxRows = 64;  // query heads attended in one pass over the keys
-constexpr int64_t kScratchVecs = 512;  // query (and accumulator) vectors of a pass
+constexpr int64_t kScratchVecs = 8192 / kLanes;  // query (and accumulator) vectors of a pass
 
 template <typename scalar_t>
 struct Args {
@@ -85,10 +85,11 @@ void score_tile(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* s
 }
 
 // Scores -> probabilities under the running max; alpha rescales what was accumulated.
-// 16 scores at a time: the tile's unused tail is -inf, then probability 0.
+// kLanes scores at a time: the tile's unused tail is -inf, then probability 0.
 inline void softmax_update(int64_t rows, int64_t n, Scratch& s) {
   const int64_t vecs = (n + kLanes - 1) / kLanes;
-  const i32vec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  i32vec lane;
+  for (int32_t l = 0; l < kLanes; ++l) lane[l] = l;
   for (int64_t r = 0; r < rows; ++r) {
     float* sc = s.scores + r * kTile;
     for (int64_t i = n; i < vecs * kLanes; ++i) sc[i] = -std::numeric_limits<float>::infinity();
@@ -169,7 +170,7 @@ int64_t first_key(const Args<scalar_t>& a, int64_t b) {
   return a.window > 0 ? std::max<int64_t>(0, a.context_lens[b] - a.window) : 0;
 }
 
-// NV = head_dim / 16 fixed at compile time (registers, full unrolling), or 0: from the args.
+// NV = head_dim / kLanes fixed at compile time (registers, full unrolling), or 0: from the args.
 // The cache is paged, so the hardware cannot guess where the next keys are: while a tile is
 // scored, the next one's slots are prefetched, one slot per key (all at once would fill the
 // line-fill buffers the tile's own loads need); the next tile of the last one is the first
@@ -224,8 +225,8 @@ void run(const Args<scalar_t>& a, int64_t num_reqs) {
 template <typename scalar_t>
 void dispatch_head_dim(const Args<scalar_t>& a, int64_t num_reqs) {
   switch (a.nv) {
-    case 4: return run<scalar_t, 4>(a, num_reqs);  // head_dim 64
-    case 8: return run<scalar_t, 8>(a, num_reqs);  // head_dim 128
+    case 64 / kLanes: return run<scalar_t, 64 / kLanes>(a, num_reqs);
+    case 128 / kLanes: return run<scalar_t, 128 / kLanes>(a, num_reqs);
     default: return run<scalar_t, 0>(a, num_reqs);
   }
 }
@@ -259,7 +260,7 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch:
   TORCH_CHECK(cache.size(4) == q.size(2), "head_dim of q and kv_cache differ");
   TORCH_CHECK(q.size(1) % cache.size(3) == 0, "num_heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(1) / cache.size(3) <= kMaxGroup, "more than 16 query heads per KV head");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kMaxVecs * kLanes,
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxVecs * kLanes,
               "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 &&
                   tables.stride(1) == 1 && tables.size(0) >= q.size(0),

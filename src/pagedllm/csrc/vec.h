@@ -19,14 +19,19 @@
 
 namespace {
 
-// GCC/Clang vector extensions: 16 fp32 lanes, lowered to whatever SIMD the CPU has
+// GCC/Clang vector extensions: one register of fp32 lanes (16 with AVX-512, else 8: a wider
+// vector than the registers goes through the stack), lowered to whatever SIMD the CPU has
 // (intrinsics only where gcc lowers a 16-bit -> fp32 conversion poorly).
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
-typedef float fvec __attribute__((vector_size(64)));
-typedef float fvec8 __attribute__((vector_size(32)));
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kLanes * 4)));
 typedef float fvec4 __attribute__((vector_size(16)));
-typedef uint16_t u16vec __attribute__((vector_size(32)));
-typedef uint32_t u32vec __attribute__((vector_size(64)));
+typedef uint16_t u16vec __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t i32vec __attribute__((vector_size(kLanes * 4)));
 
 template <typename To, typename From>
 inline To bit_cast(const From& from) {
@@ -43,7 +48,7 @@ inline V load_raw(const void* p) {
   return v;
 }
 
-// 16 values as fp32.
+// kLanes values as fp32.
 inline fvec load(const float* p) { return load_raw<fvec>(p); }
 
 inline fvec load(const at::BFloat16* p) {
@@ -59,9 +64,7 @@ inline fvec load(const at::Half* p) {
 #if defined(__AVX512F__)
   return bit_cast<fvec>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
-  const auto* h = reinterpret_cast<const __m128i*>(p);
-  return bit_cast<fvec>(std::array<__m256, 2>{_mm256_cvtph_ps(_mm_loadu_si128(h)),
-                                              _mm256_cvtph_ps(_mm_loadu_si128(h + 1))});
+  return bit_cast<fvec>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
   fvec v;
   for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
@@ -69,7 +72,7 @@ inline fvec load(const at::Half* p) {
 #endif
 }
 
-// 16 fp32 values rounded to the cache dtype (to nearest even, like c10's conversions).
+// kLanes fp32 values rounded to the cache dtype (to nearest even, like c10's conversions).
 inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void store(at::BFloat16* p, fvec v) {
@@ -90,15 +93,14 @@ inline void store(at::Half* p, fvec v) {
 }
 
 inline float hsum(fvec v) {
-  const auto halves = bit_cast<std::array<fvec8, 2>>(v);
-  const auto quarters = bit_cast<std::array<fvec4, 2>>(halves[0] + halves[1]);
-  const fvec4 s = quarters[0] + quarters[1];
+  auto quarters = bit_cast<std::array<fvec4, kLanes / 4>>(v);
+  for (int64_t half = kLanes / 8; half > 0; half /= 2)  // pairwise, halving the width
+    for (int64_t i = 0; i < half; ++i) quarters[i] += quarters[i + half];
+  const fvec4 s = quarters[0];
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
-typedef int32_t i32vec __attribute__((vector_size(64)));
-
-// exp(x) on 16 lanes (Cephes polynomial, rel. error ~1e-7), x clamped to [-87, 88].
+// exp(x) on kLanes lanes (Cephes polynomial, rel. error ~1e-7), x clamped to [-87, 88].
 inline fvec exp_vec(fvec x) {
   const fvec kRound = fvec{} + 12582912.f;
   x = x < -87.f ? fvec{} - 87.f : x;

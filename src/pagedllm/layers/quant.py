@@ -8,10 +8,13 @@ Two formats, both with groups along the input dim (K) of a (N, K) weight:
   nibble, element j + 16 in the high one), so a Q4_1 (or Q4_0: min = -8 * scale) tensor is
   this format as it is.
 
-`linear(x, w, bias)` takes a dense tensor or a `QuantizedWeight`. On the CPU, a few rows of x
-(decode) go to the C++ kernels (csrc/gemv.cpp), which decode each group in registers and read
-every weight byte once; many rows (prefill) decode the weight once to x's dtype and use the
-dense matmul. Elsewhere (CUDA) the weight is decoded and multiplied by torch.
+`linear(x, w, bias)` takes a dense tensor or a `QuantizedWeight`. On the CPU, up to
+`KERNEL_MAX_ROWS` rows of x (decode, small prefill chunks) go to the C++ kernels, which read
+every weight byte once per call on all threads: csrc/gemv.cpp for dense weights (each group
+converted to fp32 in registers), csrc/qgemv.cpp for quantized ones (integer dot products with
+x rounded to int8 in groups of 32, as llama.cpp does). More rows decode the weight once to x's
+dtype for the dense matmul. Elsewhere (CUDA) the weight is decoded and multiplied by torch. A
+quantized weight always meets x rounded the same way (`round_activations`), on every path.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import torch.nn.functional as F
 from pagedllm.layers.attention import cpu_kernels
 
 INT4_GROUP = 32
-# Up to this many rows of x a CPU linear runs the GEMV kernels (one pass over the weights);
-# past it, decoding the weight once for oneDNN's matmul is faster (benchmarks/gemv_bench.py
-# times both sides).
-GEMV_MAX_ROWS = 16
+ACTIVATION_GROUP = 32  # activations meet quantized weights as int8 in groups of this many
+# Up to this many rows of x a CPU linear runs the C++ kernels (one pass over the weights per
+# call); past it, oneDNN's matmul (on the weight decoded once, for quantized weights) is
+# faster. 16-bit weights always take the kernels: without AVX-512 BF16, oneDNN's bf16 matmul
+# is 4x slower at any size. Measured by benchmarks/gemv_bench.py (kernel vs fallback columns).
+KERNEL_MAX_ROWS: dict[str, int | None] = {"fp32": 64, "quantized": 128, "16-bit": None}
 
 
 @dataclass(frozen=True)
@@ -131,10 +136,10 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T + bias` for a dense or quantized (N, K) weight; x is (M, K)."""
     module = cpu_kernels.kernel_module()
-    few_rows = x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+    few_rows = x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _max_rows(w)
     if isinstance(w, torch.Tensor):
-        if few_rows and module is not None and w.dtype != torch.float32:
-            out = module.linear_dense(x, w, bias)  # bf16/fp16: 3.4x oneDNN at 16 rows
+        if few_rows and module is not None:
+            out = module.linear_dense(x, w, bias)  # on both cores (oneDNN's GEMV runs on one)
             if out is not None:
                 return out
         return F.linear(x, w, bias)
@@ -145,7 +150,28 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
             out = module.linear_int4(x, w.qweight, w.scales, w.mins, bias)
         if out is not None:
             return out
-    return F.linear(x, _dense(w, x.dtype, module), bias)
+    return F.linear(round_activations(x), _dense(w, x.dtype, module), bias)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the quantized kernels round it: to int8 in groups of 32 of its last dim,
+    q = round(x * 127 / max |x|) (ties to even) times max |x| / 127, in fp32; back in x's
+    dtype. What every quantized linear multiplies, on every path (as llama.cpp does)."""
+    *lead, k = x.shape
+    if k % ACTIVATION_GROUP:
+        return x
+    g = x.float().reshape(*lead, k // ACTIVATION_GROUP, ACTIVATION_GROUP)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127)).reshape(x.shape).to(x.dtype)
+
+
+def _max_rows(w: Weight) -> float:
+    if isinstance(w, QuantizedWeight):
+        limit = KERNEL_MAX_ROWS["quantized"]
+    else:
+        limit = KERNEL_MAX_ROWS["fp32" if w.dtype == torch.float32 else "16-bit"]
+    return float("inf") if limit is None else limit
 
 
 def _dense(w: QuantizedWeight, dtype: torch.dtype, module: Any | None) -> torch.Tensor:

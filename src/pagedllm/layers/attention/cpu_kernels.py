@@ -62,9 +62,9 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno") + (
 _LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (same soname)
 
 # The C++ sources (src/pagedllm/csrc/): one translation unit, the kernels after their shared
-# SIMD header (each source includes it; it is included once).
+# SIMD headers (each source includes what it needs; each is included once).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "qgemv.cpp")
 # the functions the extension exports (part of its name: a build never lacks one)
 _FUNCTIONS = (
     "paged_decode_attention",
@@ -100,8 +100,8 @@ def _cpu_identity() -> str:
 
 
 def extension_name() -> str:
-    header = (CSRC / "vec.h").read_text(encoding="utf-8")
-    parts = [header, *_source_text(), *_FUNCTIONS, *_CFLAGS, *_LDFLAGS]
+    headers = [p.read_text(encoding="utf-8") for p in sorted(CSRC.glob("*.h"))]
+    parts = [*headers, *_source_text(), *_FUNCTIONS, *_CFLAGS, *_LDFLAGS]
     parts += [torch.__version__, _cpu_identity()]
     key = "\n".join(parts)
     return "pagedllm_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]

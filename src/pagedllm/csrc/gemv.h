@@ -1,0 +1,235 @@
+// 8-lane fp32 SIMD and the weight formats shared by the linear-layer kernels (gemv.cpp:
+// dense and decoded weights in fp32; qgemv.cpp: int8 / int4 weights against int8 activations).
+//   dense   fp32 / bf16 / fp16 (N, K);
+//   int8    q int8 (N, K), scales fp32 (N, K / G): w = q * scale of its group of G (G a
+//           multiple of 32: G = K is per output channel, G = 32 is GGUF's Q8_0);
+//   int4    q uint8 (N, K / 2), scales and mins fp16 (N, K / 32): w = q * scale + min, each
+//           group of 32 packed as GGUF's Q4_1 (byte j: element j in its low nibble, element
+//           j + 16 in its high one).
+#pragma once
+
+#include "vec.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;  // weights decoded at a time: four 8-lane vectors
+constexpr int64_t kRowBlock = 4;
+
+// 8 fp32 lanes: AVX2 registers where the CPU has them (the 16-lane fvec of vec.h goes through
+// the stack on AVX2), else GCC/Clang vector extensions with scalar conversions.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using v8 = __m256;
+inline v8 zero8() { return _mm256_setzero_ps(); }
+inline v8 splat8(float v) { return _mm256_set1_ps(v); }
+inline v8 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(float* p, v8 v) { _mm256_storeu_ps(p, v); }
+inline v8 fma8(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline v8 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline v8 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline v8 load8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+// The 32 4-bit values of a Q4_1 group (16 bytes) as four vectors: low nibbles, then high.
+inline void nibbles(const uint8_t* p, v8 out[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+inline float hsum8(v8 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+// Integer dots of 32 weights with 32 int8 activations: 8 int32 lanes (as fp32) summing to it.
+// maddubs multiplies unsigned by signed bytes into pairs of int16: 15 * 127 * 2 and (int8, by
+// |w| and x with w's sign) 128 * 127 * 2 both fit.
+inline v8 dot_u8s8(__m256i u, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline v8 dot_q8(const int8_t* w, const int8_t* x) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+}
+inline v8 dot_q4(const uint8_t* w, const int8_t* x) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return dot_u8s8(_mm256_set_m128i(hi, lo),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+#else
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 zero8() { return v8{}; }
+inline v8 splat8(float v) { return v8{} + v; }
+inline v8 load8(const float* p) { return load_raw<v8>(p); }
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+template <typename T>
+inline v8 load8(const T* p) {
+  v8 v;
+  for (int l = 0; l < 8; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
+inline void nibbles(const uint8_t* p, v8 out[4]) {
+  for (int l = 0; l < 16; ++l) {
+    out[l / 8][l % 8] = static_cast<float>(p[l] & 0xF);
+    out[2 + l / 8][l % 8] = static_cast<float>(p[l] >> 4);
+  }
+}
+inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+inline v8 dot_q8(const int8_t* w, const int8_t* x) {
+  v8 out;
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = 0;
+    for (int j = 4 * l; j < 4 * l + 4; ++j) s += int32_t{w[j]} * x[j];
+    out[l] = static_cast<float>(s);
+  }
+  return out;
+}
+inline v8 dot_q4(const uint8_t* w, const int8_t* x) {
+  v8 out;
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = 0;
+    for (int j = 2 * l; j < 2 * l + 2; ++j) s += (w[j] & 0xF) * x[j] + (w[j] >> 4) * x[j + 16];
+    out[l] = static_cast<float>(s);
+  }
+  return out;
+}
+#endif
+
+// Formats: `group(n, g, w)` decodes weights [32g, 32g + 32) of row n into w[4]; `begin_row`
+// prepares what a row's groups share (fp32 scales of each group of 32, and int4's mins);
+// `dot(n, g, xq)` (quantized formats) is that group's integer dot with 32 int8 activations,
+// as 8 int32 lanes converted to fp32 (lanes sum to the dot).
+template <typename T>
+struct DenseW {
+  const T* w;
+  int64_t k;
+  void begin_row(int64_t, float*, float*) const {}
+  void group(int64_t n, int64_t g, const float*, const float*, v8 out[4]) const {
+    const T* p = w + n * k + g * kGroup;
+    for (int i = 0; i < 4; ++i) out[i] = load8(p + 8 * i);
+  }
+};
+
+struct Int8W {
+  const int8_t* q;
+  const float* scales;
+  int64_t k, groups_per_scale, scales_per_row;
+  // The scale of each group of 32 of row n, into sc.
+  void begin_row(int64_t n, float* sc, float*) const {
+    for (int64_t i = 0, g = 0; i < scales_per_row; ++i)
+      for (int64_t j = 0; j < groups_per_scale; ++j) sc[g++] = scales[n * scales_per_row + i];
+  }
+  void group(int64_t n, int64_t g, const float* sc, const float*, v8 out[4]) const {
+    const int8_t* p = q + n * k + g * kGroup;
+    const v8 s = splat8(sc[g]);
+    for (int i = 0; i < 4; ++i) out[i] = load8(p + 8 * i) * s;
+  }
+  v8 dot(int64_t n, int64_t g, const int8_t* x) const { return dot_q8(q + n * k + g * kGroup, x); }
+  // For row n against activations of scales d (per group of 32): comb[g] = the weight's scale
+  // times d[g]; returns what the integer dots leave out (nothing: symmetric).
+  float prepare(int64_t n, const float* d, const float*, float* comb) const {
+    const int64_t groups = k / kGroup;
+    const float* s = scales + n * scales_per_row;
+    int64_t g = 0;
+    if (scales_per_row == 1) {
+      for (const v8 sv = splat8(s[0]); g + 8 <= groups; g += 8) store8(comb + g, sv * load8(d + g));
+    } else if (groups_per_scale == 1) {
+      for (; g + 8 <= groups; g += 8) store8(comb + g, load8(s + g) * load8(d + g));
+    }
+    for (; g < groups; ++g) comb[g] = s[g / groups_per_scale] * d[g];
+    return 0.f;
+  }
+};
+
+struct Int4W {
+  const uint8_t* q;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t k;
+  void begin_row(int64_t n, float* sc, float* mn) const {
+    const int64_t groups = k / kGroup;
+    for (int64_t g = 0; g < groups; ++g) {
+      sc[g] = static_cast<float>(scales[n * groups + g]);
+      mn[g] = static_cast<float>(mins[n * groups + g]);
+    }
+  }
+  void group(int64_t n, int64_t g, const float* sc, const float* mn, v8 out[4]) const {
+    nibbles(q + n * (k / 2) + g * (kGroup / 2), out);
+    const v8 s = splat8(sc[g]), m = splat8(mn[g]);
+    for (int i = 0; i < 4; ++i) out[i] = fma8(out[i], s, m);
+  }
+  v8 dot(int64_t n, int64_t g, const int8_t* x) const {
+    return dot_q4(q + n * (k / 2) + g * (kGroup / 2), x);
+  }
+  // As Int8W's; returns the sum over groups of min * (the group's activations' sum), dsum.
+  float prepare(int64_t n, const float* d, const float* dsum, float* comb) const {
+    const int64_t groups = k / kGroup;
+    const at::Half* s = scales + n * groups;
+    const at::Half* m = mins + n * groups;
+    v8 acc = zero8();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      store8(comb + g, load8(s + g) * load8(d + g));
+      acc = fma8(load8(m + g), load8(dsum + g), acc);
+    }
+    float out = hsum8(acc);
+    for (; g < groups; ++g) {
+      comb[g] = static_cast<float>(s[g]) * d[g];
+      out += static_cast<float>(m[g]) * dsum[g];
+    }
+    return out;
+  }
+};
+
+inline bool weight_ok(const torch::Tensor& t, int64_t rows, int64_t cols, c10::ScalarType dtype) {
+  return t.device().is_cpu() && t.dim() == 2 && t.size(0) == rows && t.size(1) == cols &&
+         t.scalar_type() == dtype && t.is_contiguous();
+}
+
+// The formats over their tensors, or nullopt where these do not fit them.
+inline std::optional<Int8W> int8_weight(const torch::Tensor& q, const torch::Tensor& scales) {
+  const int64_t n = q.size(0), k = q.size(1);
+  if (k % kGroup != 0 || !weight_ok(q, n, k, torch::kChar) || scales.dim() != 2 ||
+      scales.size(1) == 0 || k % scales.size(1) != 0 || (k / scales.size(1)) % kGroup != 0 ||
+      !weight_ok(scales, n, scales.size(1), torch::kFloat))
+    return std::nullopt;
+  const int64_t per_scale = k / scales.size(1) / kGroup;  // groups of 32 sharing a scale
+  return Int8W{q.data_ptr<int8_t>(), scales.data_ptr<float>(), k, per_scale, scales.size(1)};
+}
+
+inline std::optional<Int4W> int4_weight(const torch::Tensor& q, const torch::Tensor& scales,
+                                        const torch::Tensor& mins) {
+  const int64_t n = q.size(0), k = q.size(1) * 2;
+  if (k % kGroup != 0 || !weight_ok(q, n, k / 2, torch::kByte) ||
+      !weight_ok(scales, n, k / kGroup, torch::kHalf) ||
+      !weight_ok(mins, n, k / kGroup, torch::kHalf))
+    return std::nullopt;
+  return Int4W{q.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), k};
+}
+
+// x (a few rows, any float dtype) is what the linear kernels take.
+inline bool gemv_input_ok(const torch::Tensor& x, int64_t k) {
+  const auto dtype = x.scalar_type();
+  return x.device().is_cpu() && x.dim() == 2 && x.size(1) == k && k % kGroup == 0 &&
+         (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf);
+}
+
+}  // namespace
