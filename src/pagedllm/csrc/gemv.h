@@ -227,6 +227,19 @@ inline std::optional<Int4W> int4_weight(const torch::Tensor& q, const torch::Ten
   return Int4W{q.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), k};
 }
 
+// y = fn(x) + bias for x (M, K) of any float dtype: fn(x fp32, m, k, y fp32 (m, n)) fills y
+// (when m > 0); y comes back in x's dtype.
+template <typename F>
+torch::Tensor on_fp32_rows(const torch::Tensor& x, int64_t n,
+                           const std::optional<torch::Tensor>& bias, const F& fn) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  torch::Tensor y = torch::empty({m, n}, xf.options());
+  if (m > 0) fn(xf.data_ptr<float>(), m, k, y.data_ptr<float>());
+  if (bias.has_value()) y.add_(*bias);
+  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}
+
 // x (a few rows, any float dtype) is what the linear kernels take.
 inline bool gemv_input_ok(const torch::Tensor& x, int64_t k) {
   const auto dtype = x.scalar_type();

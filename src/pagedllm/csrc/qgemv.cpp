@@ -93,15 +93,9 @@ void qgemm(const W& w, const QuantizedRows& x, int64_t m, int64_t k, int64_t n, 
 template <typename W>
 torch::Tensor run_qlinear(const W& w, const torch::Tensor& x, int64_t n,
                           const std::optional<torch::Tensor>& bias, int64_t bytes_per_row) {
-  const int64_t m = x.size(0), k = x.size(1);
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
-  torch::Tensor y = torch::empty({m, n}, xf.options());
-  if (m > 0) {
-    const QuantizedRows xq(xf.data_ptr<float>(), m, k);
-    qgemm(w, xq, m, k, n, y.data_ptr<float>(), bytes_per_row);
-  }
-  if (bias.has_value()) y.add_(*bias);
-  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+  return on_fp32_rows(x, n, bias, [&](const float* xf, int64_t m, int64_t k, float* y) {
+    qgemm(w, QuantizedRows(xf, m, k), m, k, n, y, bytes_per_row);
+  });
 }
 
 }  // namespace
