@@ -12,14 +12,15 @@
 
 namespace {
 
-// One row of x, one row n of W: its dot product (four accumulators in flight).
-template <typename W>
-float gemv_row(const W& w, const float* x, int64_t k, int64_t n, float* sc, float* mn) {
+constexpr int64_t kRowBlock = 4;  // rows of W converted at once for several rows of x
+
+// One row of x, one row n of a dense W: its dot product (four accumulators in flight).
+template <typename T>
+float gemv_row(const DenseW<T>& w, const float* x, int64_t k, int64_t n) {
   v8 acc[4] = {zero8(), zero8(), zero8(), zero8()};
-  w.begin_row(n, sc, mn);
   for (int64_t g = 0; g < k / kGroup; ++g) {
     v8 wv[4];
-    w.group(n, g, sc, mn, wv);
+    w.group(n, g, nullptr, nullptr, wv);
     for (int i = 0; i < 4; ++i) acc[i] = fma8(wv[i], load8(x + g * kGroup + 8 * i), acc[i]);
   }
   return hsum8((acc[0] + acc[1]) + (acc[2] + acc[3]));
@@ -48,26 +49,24 @@ void dots(const float* x, const float* rows, int64_t k, float* y) {
   for (int r = 0; r < R; ++r) y[r] = hsum8(acc[r]);
 }
 
-// y (m, n) fp32 = x (m, k) fp32 @ W^T, rows of W spread over threads.
-template <typename W>
-void gemm_small(const W& w, const float* x, int64_t m, int64_t k, int64_t n, float* y,
-                int64_t bytes_per_row) {
+// y (m, n) fp32 = x (m, k) fp32 @ W^T for a dense W, rows of W spread over threads.
+template <typename T>
+void gemm_small(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n, float* y) {
+  const int64_t bytes_per_row = k * static_cast<int64_t>(sizeof(T));
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (bytes_per_row * kRowBlock));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t groups = k / kGroup;
-    std::vector<float> sc(kRowBlock * groups), mn(kRowBlock * groups);
     std::vector<float> rows(m > 1 ? kRowBlock * k : 0);
     float out[kRowBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * kRowBlock, count = std::min(kRowBlock, n - r0);
       if (m == 1) {
-        for (int64_t r = r0; r < r0 + count; ++r) y[r] = gemv_row(w, x, k, r, sc.data(), mn.data());
+        for (int64_t r = r0; r < r0 + count; ++r) y[r] = gemv_row(w, x, k, r);
         continue;
       }
       for (int64_t r = 0; r < count; ++r)
-        decode_row(w, r0 + r, k, rows.data() + r * k, sc.data(), mn.data());
+        decode_row(w, r0 + r, k, rows.data() + r * k, nullptr, nullptr);  // no scales
       for (int64_t i = 0; i < m; ++i) {
         if (count == kRowBlock) {
           dots<kRowBlock>(x + i * k, rows.data(), k, out);
@@ -81,11 +80,11 @@ void gemm_small(const W& w, const float* x, int64_t m, int64_t k, int64_t n, flo
 }
 
 // gemm_small on x (any float dtype): y in x's dtype, plus the bias.
-template <typename W>
-torch::Tensor run_linear(const W& w, const torch::Tensor& x, int64_t n,
-                         const std::optional<torch::Tensor>& bias, int64_t bytes_per_row) {
+template <typename T>
+torch::Tensor run_linear(const DenseW<T>& w, const torch::Tensor& x, int64_t n,
+                         const std::optional<torch::Tensor>& bias) {
   return on_fp32_rows(x, n, bias, [&](const float* xf, int64_t m, int64_t k, float* y) {
-    gemm_small(w, xf, m, k, n, y, bytes_per_row);
+    gemm_small(w, xf, m, k, n, y);
   });
 }
 
@@ -100,11 +99,11 @@ std::optional<torch::Tensor> linear_dense(torch::Tensor x, torch::Tensor w,
   if (!gemv_input_ok(x, k) || !weight_ok(w, n, k, w.scalar_type())) return std::nullopt;
   switch (w.scalar_type()) {
     case torch::kFloat:
-      return run_linear(DenseW<float>{w.data_ptr<float>(), k}, x, n, bias, k * 4);
+      return run_linear(DenseW<float>{w.data_ptr<float>(), k}, x, n, bias);
     case torch::kBFloat16:
-      return run_linear(DenseW<at::BFloat16>{w.data_ptr<at::BFloat16>(), k}, x, n, bias, k * 2);
+      return run_linear(DenseW<at::BFloat16>{w.data_ptr<at::BFloat16>(), k}, x, n, bias);
     case torch::kHalf:
-      return run_linear(DenseW<at::Half>{w.data_ptr<at::Half>(), k}, x, n, bias, k * 2);
+      return run_linear(DenseW<at::Half>{w.data_ptr<at::Half>(), k}, x, n, bias);
     default:
       return std::nullopt;
   }

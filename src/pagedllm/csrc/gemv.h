@@ -17,7 +17,6 @@
 namespace {
 
 constexpr int64_t kGroup = 32;  // weights decoded at a time: four 8-lane vectors
-constexpr int64_t kRowBlock = 4;
 
 // 8 fp32 lanes: AVX2 registers where the CPU has them (the 16-lane fvec of vec.h goes through
 // the stack on AVX2), else GCC/Clang vector extensions with scalar conversions.
