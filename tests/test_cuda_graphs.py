@@ -16,13 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.config import (
-    ConfigError,
-    EngineConfig,
-    ModelConfig,
-    activation_reserve,
-    device_kv_cache_budget,
-)
+from pagedllm.config import ConfigError, EngineConfig, ModelConfig
+from pagedllm.kv_budget import activation_reserve, device_kv_cache_budget
 from pagedllm.layers.attention import StepInputs
 from pagedllm.worker.cuda_graphs import (
     CudaGraphRunner,

@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help=f"{DEVICE_HELP}; sets PAGEDLLM_DEVICE, which overrides llm_engine's `device`",
     )
+    s.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (GPUs, or processes on the CPU); sets "
+        "PAGEDLLM_TENSOR_PARALLEL_SIZE",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -120,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
         model = args.model or str(prepare.prepare_smollm2())
         quantization = args.quantization or _default_quantization(args)
-        env = {"PAGEDLLM_DEVICE": args.device}
+        env = {
+            "PAGEDLLM_DEVICE": args.device,
+            "PAGEDLLM_TENSOR_PARALLEL_SIZE": str(args.tensor_parallel_size),
+        }
         if args.trace_file:
             env["PAGEDLLM_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         log_file = Path(args.log_file) if args.log_file else None

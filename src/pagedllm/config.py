@@ -3,7 +3,6 @@ and the scheduler. "auto" values are resolved before freezing."""
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pagedllm import kv_budget
 from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
 
@@ -223,8 +223,13 @@ class EngineConfig:
     # weight-only quantization (layers/quant.py): None, "int8", "int4" or "gguf" (the model
     # directory's GGUF file, its quantized tensors kept as they are)
     quantization: str | None = None
+    # ranks the model is split over (worker.tp_worker): the first on `device`, the others on
+    # the next GPUs (or all on the CPU)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not RESOLVED.fullmatch(self.device):  # never "auto" downstream
             object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
@@ -251,6 +256,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
@@ -266,32 +272,20 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {model_len} exceeds the model's context ({context})")
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
-        if num_kv_blocks is None and device.startswith("cuda"):
-            # an engine closed in this process leaves its pool cached by torch: count it free
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(torch.device(device))
-            kv_cache_memory = device_kv_cache_budget(
-                free,
-                total,
-                gpu_memory_utilization,
-                weight_bytes=int(
-                    model.num_parameters * _bytes_per_weight(quantization, torch_dtype)
-                ),
-                activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs),
-            )
         if num_kv_blocks is None:
-            # enough for every sequence at full length, capped by the memory budget
-            per_seq = -(-model_len // block_size)
-            bytes_per_block = (
-                2
-                * model.num_layers
-                * block_size
-                * model.num_kv_heads
-                * model.head_dim
-                * torch_dtype.itemsize
+            num_kv_blocks = kv_budget.num_kv_blocks(
+                model,
+                device,
+                torch_dtype,
+                quantization,
+                block_size,
+                model_len,
+                max_num_seqs,
+                batched_tokens,
+                kv_cache_memory,
+                gpu_memory_utilization,
+                tensor_parallel_size,
             )
-            num_kv_blocks = max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))
         cache = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching)
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -310,6 +304,7 @@ class EngineConfig:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
 
@@ -326,43 +321,6 @@ def check_quantization(value: str | None) -> str | None:
             f"unsupported quantization {value!r}; use none, {', '.join(QUANTIZATIONS)}"
         )
     return name
-
-
-def _bytes_per_weight(quantization: str | None, dtype: torch.dtype) -> float:
-    """An upper bound of the weights' bytes per parameter (int4: 4-bit values with fp16 scale
-    and min per 32; a GGUF file holds at most 8-bit blocks, or 16-bit tensors)."""
-    return {None: dtype.itemsize, "int8": 1.125, "int4": 1.125, "gguf": dtype.itemsize}[
-        quantization
-    ]
-
-
-def device_kv_cache_budget(
-    free: int, total: int, utilization: float, weight_bytes: int, activation_bytes: int
-) -> int:
-    """Bytes of the KV pool on a GPU, measured before the model is loaded: the engine's share
-    of the device (`total * utilization`) less what is already in use (other processes, the
-    CUDA context: `total - free`), the weights and the activation reserve."""
-    budget = int(total * utilization) - (total - free) - weight_bytes - activation_bytes
-    if budget <= 0:
-        gib = 1 << 30
-        raise ConfigError(
-            f"no device memory left for the KV cache: {utilization:.0%} of {total / gib:.1f} "
-            f"GiB, {(total - free) / gib:.1f} GiB already used, weights "
-            f"{weight_bytes / gib:.1f} GiB, activations {activation_bytes / gib:.1f} GiB; "
-            "raise gpu_memory_utilization or lower max_num_batched_tokens"
-        )
-    return budget
-
-
-def activation_reserve(model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """A conservative estimate of the peak memory of one step besides weights and KV cache:
-    per token the fused qkv and gate/up outputs and a few hidden-size buffers (fp32 upper
-    bound, twice for the allocator's slack), fp32 logits and sampler copies of every
-    sequence, and 512 MiB for CUDA graphs' pool, kernel workspaces and fragmentation."""
-    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    per_token = (qkv + 2 * model.intermediate_size + 4 * model.hidden_size) * 4 * 2
-    logits = max_num_seqs * model.vocab_size * 4 * 4
-    return max_num_batched_tokens * per_token + logits + (512 << 20)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

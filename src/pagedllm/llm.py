@@ -28,7 +28,9 @@ class LLM:
     `device`: "auto" (a CUDA device when torch sees one, else the CPU), "cpu", "cuda" or
     "cuda:N" (`pagedllm.config.resolve_device`). `quantization`: weight-only, None (the
     checkpoint's weights in `dtype`), "int8" (per output channel), "int4" (affine, groups of
-    32) or "gguf" (the model directory's GGUF file, Q8_0 / Q4_0 / Q4_1 kept as they are)."""
+    32) or "gguf" (the model directory's GGUF file, Q8_0 / Q4_0 / Q4_1 kept as they are).
+    `tensor_parallel_size`: ranks the model is split over (worker processes; `close()` stops
+    them, as does this process's exit)."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "auto",
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -61,9 +64,20 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release the engine: its tensor-parallel workers stop."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

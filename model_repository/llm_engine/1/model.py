@@ -44,8 +44,10 @@ from pagedllm.serving.settings import (  # noqa: E402
     DEFAULT_MAX_QUEUED_REQUESTS,
     engine_config,
     instance_device,
+    instance_gpus,
     int_setting,
     setting,
+    tensor_parallel_size,
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -131,9 +133,12 @@ class TritonPythonModel:
         params = adapter.parameters(args)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         metrics = to_bool("metrics", setting(params, "metrics", "true"))
-        device = instance_device(
-            params, args["model_instance_kind"], int(args["model_instance_device_id"])
-        )
+        kind = args["model_instance_kind"]
+        tensor_parallel_size(params, kind)  # KIND_GPU with tensor_parallel_size > 1: refused
+        gpus = instance_gpus(params, args["model_instance_name"])
+        if gpus is not None:  # before CUDA starts: this process and its workers see only these
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        device = instance_device(params, kind, int(args["model_instance_device_id"]))
         exporter = _Metrics(labels) if metrics else None
         self.model = EngineModel(
             engine_config(params, device),

@@ -169,6 +169,7 @@ class LLMEngine:
             self.tracer.close()
         if self.runner.grammars is not None:
             self.runner.grammars.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -120,6 +120,9 @@ class EngineService:
     def _loop(self) -> None:
         stop_seen = False
         while True:
+            if (why := self.engine.runner.dead_reason) is not None:  # a worker died
+                self._poison(why)
+                return
             idle = not self.engine.has_unfinished_requests()
             for cmd in self._pending(wait=idle and not stop_seen):
                 if cmd is None:

@@ -73,6 +73,28 @@ class QuantizedWeight:
         """The (N, K) weight in `dtype`, each value computed in fp32."""
         return _decode(self.qweight, self.scales, self.mins, self.bits).to(dtype)
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Outputs (dim 0) or inputs (dim 1, whole groups only) `start` to `start + length`
+        (a tensor-parallel shard), as copies."""
+        mins = self.mins
+        if dim == 0:
+            rows = slice(start, start + length)
+            q, scales = self.qweight[rows], self.scales[rows]
+            mins = None if mins is None else mins[rows]
+        else:
+            group = self.group_size
+            if start % group or length % group:
+                raise ValueError(
+                    f"inputs {start}..{start + length} do not split this weight's groups of {group}"
+                )
+            per = 8 // self.bits
+            q = self.qweight[:, start // per : (start + length) // per]
+            groups = slice(start // group, (start + length) // group)
+            scales = self.scales[:, groups]
+            mins = None if mins is None else mins[:, groups]
+        mins = None if mins is None else mins.contiguous()
+        return replace(self, qweight=q.contiguous(), scales=scales.contiguous(), mins=mins)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, decoded (an embedding lookup)."""
         mins = None if self.mins is None else self.mins[ids]

@@ -14,7 +14,7 @@ NOTE: two layout choices differ from the HF checkpoint, both made by the loader:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,10 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.comm import TPGroup
+    from pagedllm.distributed.shard import ShardPlan
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +85,16 @@ class ForwardContext(NamedTuple):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, plan: ShardPlan | None = None, tp: TPGroup | None = None
+    ) -> None:
+        """`plan` and `tp`: this rank's shard of a tensor-parallel model (distributed.shard)
+        and its collectives; then the modules have the shard's shapes (`self.config` its
+        sizes) and the forward pass all-reduces and gathers."""
         super().__init__()
+        self.vocab_size = cfg.vocab_size
+        self.plan, self.tp = plan, tp
+        cfg = cfg if plan is None else plan.local_config(cfg)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
@@ -137,16 +149,42 @@ class LlamaForCausalLM(nn.Module):
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
         cfg = self.config
         eps = cfg.rms_norm_eps
-        x = embedding(input_ids, self._io[0], self.norm.weight.dtype)
+        tp = self.tp
+        x = self._embed(input_ids)
         residual: torch.Tensor | None = None  # the stream the layers add to, as in vLLM
         for i, w in enumerate(self._weights):
             x, residual = _add_rms_norm(x, residual, w.ln1, eps)
-            x = _attention(x, w, ctx, ctx.kv_caches[i], cfg)
+            x = _attention(x, w, ctx, ctx.kv_caches[i], cfg, tp)
             x, residual = _add_rms_norm(x, residual, w.ln2, eps)
             gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-            x = linear(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b)
+            x = _row_parallel(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b, tp)
         x, _ = _add_rms_norm(x, residual, self.norm.weight, eps)
-        return linear(x[logits_indices], self._io[1]).float()
+        logits = linear(x[logits_indices], self._io[1]).float()
+        if tp is None:
+            return logits
+        gathered = tp.gather_logits(logits)  # rank 0 samples; the others' logits go unused
+        return logits if gathered is None else gathered[:, : self.vocab_size]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings; vocab-parallel: each rank looks up its own rows (zeros for
+        the others'), then one all-reduce."""
+        dtype = self.norm.weight.dtype
+        if self.tp is None or self.plan is None:
+            return embedding(ids, self._io[0], dtype)
+        local = ids - self.plan.vocab_start
+        outside = (local < 0) | (local >= self.plan.vocab_rows)
+        x = embedding(local.masked_fill(outside, 0), self._io[0], dtype)
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
+def _row_parallel(
+    x: torch.Tensor, w: Weight, bias: torch.Tensor | None, tp: TPGroup | None
+) -> torch.Tensor:
+    """A row-parallel linear: each rank's partial sum, all-reduced, then the bias."""
+    if tp is None:
+        return linear(x, w, bias)
+    out = tp.all_reduce(linear(x, w))
+    return out if bias is None else out.add_(bias)
 
 
 def _add_rms_norm(
@@ -160,7 +198,12 @@ def _add_rms_norm(
 
 
 def _attention(
-    x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor, cfg: ModelConfig
+    x: torch.Tensor,
+    w: LayerWeights,
+    ctx: ForwardContext,
+    kv_cache: torch.Tensor,
+    cfg: ModelConfig,
+    tp: TPGroup | None,
 ) -> torch.Tensor:
     n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
@@ -168,4 +211,4 @@ def _attention(
     cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary)  # q and k, in place, in fp32
     q, kv = split_qkv(qkv, h, kvh)
     o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, hd**-0.5)
-    return linear(o.reshape(n, h * hd), w.o_w, w.o_b)
+    return _row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, tp)

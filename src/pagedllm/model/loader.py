@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -15,6 +16,17 @@ from pagedllm.layers.quant import QuantizedWeight, quantize, quantize_int8
 from pagedllm.model import gguf
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.rope import interleave_rows
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.comm import TPGroup
+    from pagedllm.distributed.shard import ShardPlan
+
+# (dim, start, length): the part of a tensor a tensor-parallel rank holds (None: all of it)
+Part = tuple[int, int, int] | None
+# which part of a HF tensor, by its name, to read
+Select = Callable[[str], Part]
+# which part of our parameter (and fused shard) a rank holds
+Slicer = Callable[[str, int | None], Part]
 
 # HF name -> (our name, shard index within a fused tensor or None)
 _FUSED = {
@@ -48,12 +60,22 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    files: list[Path], select: Select | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files; with `select`, only the part of each it names is read."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    part = None if select is None else select(name)
+                    if part is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    dim, start, length = part
+                    index = [slice(None)] * (dim + 1)
+                    index[dim] = slice(start, start + length)
+                    yield name, _pad_rows(f.get_slice(name)[tuple(index)], dim, length)
         except SafetensorError as e:
             raise ConfigError(f"cannot read weights from {path}: {e}") from e
 
@@ -78,22 +100,31 @@ def load_model(
     dtype: torch.dtype,
     device: str,
     quantization: str | None = None,
+    plan: ShardPlan | None = None,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill every parameter from the checkpoint:
     its safetensors, quantized at load if `quantization` is "int8" or "int4" (layers.quant),
-    or with "gguf" its GGUF file, whose quantized tensors are kept as they are."""
+    or with "gguf" its GGUF file, whose quantized tensors are kept as they are. With a
+    tensor-parallel `plan` (and its group `tp`), only this rank's shard is read and held."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, plan, tp)
     model = model.to_empty(device=device).to(dtype)
+    full, cfg = cfg, model.config  # the shard's sizes from here on
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_sizes = _shard_sizes(cfg)
     loaded: set[tuple[str, int | None]] = set()
+    slicer: Slicer | None = None
+    if plan is not None:
+        head_dim = full.head_dim
+        slicer = lambda ours, shard: plan.slice_of(ours, shard, head_dim)  # noqa: E731
     if quantization == "gguf":
-        _fill_from_gguf(model, params, shard_sizes, loaded, Path(model_dir), cfg)
+        _fill_from_gguf(model, params, shard_sizes, loaded, Path(model_dir), cfg, slicer)
     else:
-        tensors = iter_checkpoint(weight_files(Path(model_dir)))
+        select = None if slicer is None else _by_hf_name(slicer)
+        tensors = iter_checkpoint(weight_files(Path(model_dir)), select)
         for hf_name, tensor in tensors:
             target = _target(hf_name)
             if target is not None:
@@ -139,13 +170,16 @@ def _fill_from_gguf(
     loaded: set[tuple[str, int | None]],
     model_dir: Path,
     cfg: ModelConfig,
+    slicer: Slicer | None,
 ) -> None:
     device = model.norm.weight.device
     shards: dict[str, dict[int | None, QuantizedWeight]] = {}
-    for name, tensor in gguf.read_tensors(gguf.gguf_file(model_dir)):
+    for name, whole in gguf.read_tensors(gguf.gguf_file(model_dir)):
         target = gguf.target(name)
         if target is None:
             continue
+        part = None if slicer is None else slicer(*target)
+        tensor = whole if part is None else _narrow(whole, name, *part)
         if isinstance(tensor, torch.Tensor):
             _copy(params, shard_sizes, loaded, name, target, tensor, cfg)
             continue
@@ -168,6 +202,48 @@ def _fill_from_gguf(
             )
         model.set_quantized(ours, weight.to(device))
         loaded.update((ours, s) for s in order)
+
+
+def _by_hf_name(slicer: Slicer) -> Select:
+    def select(name: str) -> Part:
+        target = _target(name)
+        return None if target is None else slicer(*target)
+
+    return select
+
+
+def _narrow(
+    whole: torch.Tensor | QuantizedWeight, name: str, dim: int, start: int, length: int
+) -> torch.Tensor | QuantizedWeight:
+    """A rank's part of a GGUF tensor (read whole)."""
+    available = min(length, whole.shape[dim] - start)
+    if isinstance(whole, torch.Tensor):
+        return _pad_rows(whole.narrow(dim, start, available), dim, length)
+    try:
+        part = whole.narrow(dim, start, available)
+    except ValueError as e:
+        raise ConfigError(f"cannot split GGUF tensor {name!r} for tensor parallelism: {e}") from e
+    if dim == 0 and part.shape[0] < length:
+        part = gguf.concat([part, _zero_rows(part, length - part.shape[0])])
+    return part
+
+
+def _pad_rows(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`t` (a part along `dim`) with zero rows up to `length`: the last rank's part of a
+    vocabulary padded to a multiple of the ranks (the rows of no token)."""
+    if dim == 0 and (short := length - t.shape[0]):
+        t = torch.cat([t, t.new_zeros(short, *t.shape[1:])])
+    return t.contiguous()
+
+
+def _zero_rows(w: QuantizedWeight, rows: int) -> QuantizedWeight:
+    mins = None if w.mins is None else w.mins.new_zeros(rows, w.mins.shape[1])
+    return QuantizedWeight(
+        w.bits,
+        w.qweight.new_zeros(rows, w.qweight.shape[1]),
+        w.scales.new_zeros(rows, w.scales.shape[1]),
+        mins,
+    )
 
 
 _QUANTIZED_LAYER_WEIGHTS = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 from pagedllm.config import EngineConfig, check_device
 from pagedllm.convert import to_bool
@@ -66,6 +67,39 @@ def instance_device(parameters: dict[str, str], kind: str = "CPU", device_id: in
     return f"cuda:{device_id}" if device == "cuda" else device
 
 
+def tensor_parallel_size(parameters: dict[str, str], kind: str = "MODEL") -> int:
+    """`tensor_parallel_size` (default 1). Above 1 the instance spans several GPUs, so it must
+    be KIND_MODEL (vllm_backend's rule): Triton gives a KIND_GPU instance one GPU."""
+    size = int_setting(parameters, "tensor_parallel_size", 1, minimum=1)
+    if size > 1 and kind == "GPU":
+        raise ValueError(
+            f"tensor_parallel_size {size} needs instance_group kind KIND_MODEL (a KIND_GPU "
+            "instance is given one GPU); pick its GPUs with gpu_device_ids"
+        )
+    return size
+
+
+def instance_gpus(parameters: dict[str, str], instance_name: str) -> str | None:
+    """The GPUs of this instance for CUDA_VISIBLE_DEVICES, from `gpu_device_ids`: GPU ids
+    separated by commas, one group per instance separated by semicolons ("0,1;2,3": the
+    instance numbered 0 takes GPUs 0 and 1, instance 1 GPUs 2 and 3). The instance number is
+    the last number of its name (Triton's `model_instance_name`). None when unset."""
+    spec = setting(parameters, "gpu_device_ids").strip()
+    if not spec:
+        return None
+    groups = [g.strip() for g in spec.split(";")]
+    if any(not re.fullmatch(r"\d+(\s*,\s*\d+)*", g) for g in groups):
+        raise ValueError(f"gpu_device_ids must look like '0,1;2,3', got {spec!r}")
+    m = re.search(r"(\d+)$", instance_name)
+    index = int(m.group(1)) if m and len(groups) > 1 else 0
+    if index >= len(groups):
+        raise ValueError(
+            f"instance {instance_name!r} is number {index} but gpu_device_ids {spec!r} has "
+            f"{len(groups)} groups"
+        )
+    return ",".join(x.strip() for x in groups[index].split(","))
+
+
 def engine_config(parameters: dict[str, str], device: str | None = None) -> EngineConfig:
     """The engine's settings; `device` (default: `instance_device` of a KIND_CPU instance) is
     resolved by EngineConfig.create."""
@@ -87,4 +121,5 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         enable_prefix_caching=to_bool(
             "enable_prefix_caching", get("enable_prefix_caching", "true")
         ),
+        tensor_parallel_size=tensor_parallel_size(parameters),
     )

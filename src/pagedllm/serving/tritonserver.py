@@ -165,7 +165,8 @@ def server_env(extra_pythonpath: list[str]) -> dict[str, str]:
       ``$ORIGIN`` rpath; without them the stub cannot start and the server hangs), then this
       interpreter's ``libpython`` directory, so the stub embeds the very Python of this
       environment instead of the system's ``libpython3.X``;
-    * :data:`SYS_PATH_ENV`: the directories each ``model.py`` prepends to ``sys.path``.
+    * :data:`SYS_PATH_ENV`: the directories each ``model.py`` prepends to ``sys.path``;
+    * ``PAGEDLLM_PYTHON``: this interpreter, which worker processes run (the stub is no Python).
 
     Raises ``ValueError`` if the first numpy found along ``extra_pythonpath`` is 2.x.
     """
@@ -186,6 +187,7 @@ def server_env(extra_pythonpath: list[str]) -> dict[str, str]:
     ld_path += [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
     env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(ld_path))
     env[SYS_PATH_ENV] = os.pathsep.join(str(p) for p in extra_pythonpath)
+    env.setdefault("PAGEDLLM_PYTHON", sys.executable)
     return env
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.layers.attention import StepInputs
 from pagedllm.layers.bitmask import apply_token_bitmask_, ban_
 from pagedllm.layers.sampler import (
     Sampler,
@@ -20,50 +20,48 @@ from pagedllm.layers.sampler import (
     bad_word_bans,
     prompt_logprobs,
 )
-from pagedllm.model import load_model
-from pagedllm.model.llama import ForwardContext
-from pagedllm.model.rope import rope_cos_sin, rotary_table
-from pagedllm.worker import cuda_graphs
+from pagedllm.worker.executor import ShardExecutor, StepPlan, use_device
+from pagedllm.worker.tp_worker import TPWorkers
 
 if TYPE_CHECKING:  # llguidance is imported only once a request is constrained
     from pagedllm.structured.matchers import GrammarMatchers, Masks
 
 
-class ModelRunner:
+class ModelRunner(ShardExecutor):
+    """Rank 0: plans each step, runs it (on every rank of a tensor-parallel engine: the
+    plan is broadcast to the workers first) and samples from the gathered logits."""
+
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = torch.device(config.device)
-        use_device(self.device)
-        mcfg = config.model
-        self.model = load_model(
-            config.model_dir, mcfg, config.dtype, config.device, config.quantization
-        )
-        self.backend = create_attention_backend(config.attention_backend, config.device)
-        self.block_size = config.cache.block_size
-        num_kv_blocks = config.cache.num_kv_blocks
-        assert num_kv_blocks is not None
-        shape = self.backend.kv_cache_shape(
-            num_kv_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim
-        )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=config.dtype, device=self.device)
-            for _ in range(mcfg.num_layers)
-        ]
-        cos, sin = rope_cos_sin(
-            mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
-        )
-        self.rotary = rotary_table(cos, sin).to(self.device)
+        world = config.tensor_parallel_size
+        # the workers start first: they load their shards while this rank loads its own
+        self.workers = TPWorkers(config) if world > 1 else None
+        try:
+            tp = None if self.workers is None else self.workers.connect()
+            super().__init__(config, 0, world, tp)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            if self.workers is not None:
+                self.workers.stop()
+            raise
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: set by the engine with the first constrained request
         self.grammars: GrammarMatchers | None = None
-        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager)
-        self.graphs = cuda_graphs.create_graph_runner(self)
-        if self.graphs is not None:
-            self.graphs.capture()
 
-    def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
-        """`batch` must hold the decodes first (see `order_batch`)."""
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker died); None if it can."""
+        return None if self.workers is None else self.workers.dead_reason
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the runner cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.stop()
+
+    def plan(self, batch: list[ScheduledRequest], extra: list[int] | None = None) -> StepPlan:
+        """`batch` must hold the decodes first (see `order_batch`); `extra`: rows whose
+        logits are wanted besides the sampled ones (prompt log-probs)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -85,25 +83,21 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in batch)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch]
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
-
-        def t(x: list[int] | list[list[int]]) -> torch.Tensor:
-            if self.device.type == "cuda":  # pinned host memory, non-blocking copy
-                pinned = cuda_graphs.host_tensor(x, torch.int64, pin=True)
-                return pinned.to(self.device, non_blocking=True)
-            return torch.tensor(x, dtype=torch.int64, device=self.device)
-
-        return StepInputs(
-            input_ids=t(input_ids),
-            positions=t(positions),
-            slot_mapping=t(slots),
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=t(tables),
-            num_decodes=num_decodes,
-            logits_indices=t(logits_indices),
-            block_size=bs,
-            sliding_window=self.config.model.sliding_window,
+        return StepPlan(
+            input_ids,
+            positions,
+            slots,
+            query_start_loc,
+            context_lens,
+            tables,
+            num_decodes,
+            logits_indices + (extra or []),
+            eager=bool(extra),
         )
+
+    def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
+        """`batch`'s step as tensors (decodes first)."""
+        return self.inputs(self.plan(batch))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -140,20 +134,19 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[_PromptLogprobSpan]]:
         """The logits of the sampled rows, then of the prompt positions scored for prompt
         log-probs (the spans)."""
-        step = self.prepare_inputs(batch)
-        spans = _prompt_logprob_spans(batch, step.query_start_loc)
-        indices = step.logits_indices
-        if spans:
-            extra = [
-                i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
-            ]
-            indices = torch.cat([indices, torch.tensor(extra, device=self.device)])
-        if self.graphs is not None and not spans and self.graphs.can_run(step):
-            return self.graphs.run(step), spans  # a GPU decode step: one CUDA graph replay
-        rotary = self.rotary[step.positions].unsqueeze(1)
-        metadata = self.backend.build_metadata(step)
-        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
-        return self.model(step.input_ids, ctx, indices), spans
+        query_start_loc = [0]
+        for s in batch:
+            query_start_loc.append(query_start_loc[-1] + s.num_tokens)
+        spans = _prompt_logprob_spans(batch, query_start_loc)
+        extra = [i for span in spans for i in range(span.flat_start, span.flat_start + span.count)]
+        plan = self.plan(batch, extra)
+        if self.workers is None:
+            return self.forward(plan), spans
+        try:  # every rank runs the step: a fault in it leaves the ranks out of step for good
+            self.workers.tp.broadcast(plan)
+            return self.forward(plan), spans
+        except Exception as e:
+            raise self.workers.failure(e) from e
 
     def _fill_masks(self, sampled: list[ScheduledRequest]) -> Future[Masks | None] | None:
         if self.grammars is None or not any(s.params.structured_outputs for s in sampled):
@@ -258,10 +251,3 @@ def _prompt_logprob_spans(
 def order_batch(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Decodes (one new token) first, prefill chunks after, as the attention backends expect."""
     return sorted(batch, key=lambda s: s.num_tokens > 1)
-
-
-def use_device(device: torch.device) -> None:
-    """Make a CUDA device this thread's current one: Triton launches and graph captures go to
-    the current device, whatever their tensors' device."""
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        torch.cuda.set_device(device)

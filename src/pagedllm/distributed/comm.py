@@ -1,0 +1,87 @@
+"""The collectives of tensor parallelism, on torch.distributed process groups: gloo on the
+CPU, NCCL on GPUs, plus a gloo group for the step broadcast (plain Python objects).
+
+The groups are built directly from a `TCPStore` that rank 0 hosts, not through
+`init_process_group`: no global state, so one process can hold several engines (tests do)
+and an engine's close leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# collectives wait this long for a peer: the workers wait for the next step as long as the
+# engine idles (a dead peer is seen at once: its sockets close; a dead parent by the workers'
+# death pipe)
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def host_store(world: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (`.port`)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, world, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False
+    )
+
+
+def join_store(port: int, world: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def _gloo(store: dist.Store, rank: int, world: int) -> Any:
+    gloo: Any = dist.ProcessGroupGloo
+    opts = gloo._Options()
+    opts._timeout = IDLE_TIMEOUT
+    opts._devices = [gloo.create_device(hostname="127.0.0.1")]  # loopback: one host
+    return gloo(store, rank, world, opts)
+
+
+class TPGroup:
+    """Rank `rank` of `world`: the collectives the sharded model and the step loop use."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world = rank, world
+        self.control: Any = _gloo(dist.PrefixStore("control", store), rank, world)
+        self.tensors: Any = self.control
+        if device.type == "cuda":
+            nccl: Any = dist.ProcessGroupNCCL
+            opts = nccl.Options()
+            opts._timeout = IDLE_TIMEOUT
+            self.tensors = nccl(dist.PrefixStore("nccl", store), rank, world, opts)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        self.tensors.allreduce([x]).wait()
+        return x
+
+    def gather_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's (S, V / world) logits, joined along the vocabulary on rank 0 (None
+        elsewhere)."""
+        x = x.contiguous()
+        out = [[torch.empty_like(x) for _ in range(self.world)]] if self.rank == 0 else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self.tensors.gather(out, [x], opts).wait()
+        return torch.cat(out[0], dim=1) if self.rank == 0 else None
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (pickled; a length, then the bytes)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.control.broadcast([size], opts).wait()
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.control.broadcast([buf], opts).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+    def barrier(self) -> None:
+        self.control.barrier().wait()

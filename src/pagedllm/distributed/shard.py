@@ -1,0 +1,112 @@
+"""How a Llama-family model splits over `world` tensor-parallel ranks (Megatron's layout, as
+vLLM does it):
+
+- q/k/v and gate/up are column-parallel: each rank holds its heads' rows (and intermediate
+  rows) and computes them with no communication;
+- o_proj and down_proj are row-parallel: each rank holds the matching input columns, and
+  their partial outputs are summed by one all-reduce each (their biases added after it);
+- the embedding is vocab-parallel (each rank a contiguous range of rows: a masked lookup,
+  then an all-reduce) and so is lm_head (each rank its vocab range of logits, gathered on
+  rank 0, which samples). The vocabulary is padded to a multiple of `world`.
+
+KV heads split across ranks when `world` divides them; with fewer KV heads than ranks, each
+KV head is replicated on `world / num_kv_heads` ranks (each rank then holds one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagedllm.config import ConfigError, ModelConfig
+
+
+def valid_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    """The tensor-parallel sizes up to `limit` this model can be split into."""
+    return [n for n in range(1, limit + 1) if _why_not(cfg, n) is None]
+
+
+def _why_not(cfg: ModelConfig, world: int) -> str | None:
+    h, kvh = cfg.num_heads, cfg.num_kv_heads
+    if h % world:
+        return f"its {h} attention heads do not split {world} ways"
+    if kvh >= world and kvh % world:
+        return f"its {kvh} KV heads do not split {world} ways"
+    if kvh < world and world % kvh:
+        return f"its {kvh} KV heads cannot be replicated evenly over {world} ranks"
+    if cfg.intermediate_size % world:
+        return f"its MLP width {cfg.intermediate_size} does not split {world} ways"
+    return None
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank `rank` of `world` holds (every size in rows of the HF tensors)."""
+
+    rank: int
+    world: int
+    num_heads: int  # local attention heads
+    num_kv_heads: int  # local KV heads
+    kv_head_start: int  # the first KV head this rank holds
+    intermediate: int  # local MLP width
+    vocab_rows: int  # local embedding / lm_head rows (the padded vocabulary / world)
+
+    @staticmethod
+    def create(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
+        """Raises ConfigError (naming the sizes that work) when `world` cannot split `cfg`."""
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"tensor-parallel rank {rank} of {world} is out of range")
+        why = _why_not(cfg, world)
+        if why is not None:
+            sizes = ", ".join(map(str, valid_sizes(cfg)))
+            raise ConfigError(
+                f"tensor_parallel_size {world} cannot split this model: {why} "
+                f"(sizes that can: {sizes})"
+            )
+        kvh = cfg.num_kv_heads
+        local_kv = max(1, kvh // world)
+        kv_start = rank * local_kv if kvh >= world else rank // (world // kvh)
+        return ShardPlan(
+            rank=rank,
+            world=world,
+            num_heads=cfg.num_heads // world,
+            num_kv_heads=local_kv,
+            kv_head_start=kv_start,
+            intermediate=cfg.intermediate_size // world,
+            vocab_rows=-(-cfg.vocab_size // world),
+        )
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_rows
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` with this rank's sizes: the modules built from it have the shards' shapes."""
+        return dataclasses.replace(
+            cfg,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate,
+            vocab_size=self.vocab_rows,
+        )
+
+    def slice_of(self, ours: str, shard: int | None, head_dim: int) -> tuple[int, int, int] | None:
+        """(dim, start, length) of the full HF tensor for our parameter `ours` (and its fused
+        `shard`: 0/1/2 = q/k/v, 0/1 = gate/up) on this rank; None: the rank holds all of it."""
+        parts = ours.split(".")
+        module, kind = parts[-2], parts[-1]
+        if module == "qkv_proj":
+            if shard == 0:
+                return 0, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
+            return 0, self.kv_head_start * head_dim, self.num_kv_heads * head_dim
+        if module == "gate_up_proj":
+            return 0, self.rank * self.intermediate, self.intermediate
+        if kind == "bias":  # row-parallel biases are added once, after the all-reduce
+            return None
+        if module == "o_proj":
+            return 1, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
+        if module == "down_proj":
+            return 1, self.rank * self.intermediate, self.intermediate
+        if module in ("embed_tokens", "lm_head"):
+            return 0, self.vocab_start, self.vocab_rows
+        return None

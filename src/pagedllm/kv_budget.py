@@ -1,0 +1,87 @@
+"""How many KV-cache blocks an engine gets: from a memory budget on the CPU, from the free
+device memory on a GPU (after weights and an activation reserve). With tensor parallelism
+every rank holds its share of the weights and of the KV heads, and the budget is per rank
+(per device; on the CPU, per process)."""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pagedllm.config import ModelConfig
+
+
+def num_kv_blocks(
+    model: ModelConfig,
+    device: str,
+    dtype: torch.dtype,
+    quantization: str | None,
+    block_size: int,
+    model_len: int,
+    max_num_seqs: int,
+    batched_tokens: int,
+    kv_cache_memory: int,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """Enough blocks for every sequence at full length, capped by the memory budget: on a CUDA
+    device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes."""
+    world = tensor_parallel_size
+    if device.startswith("cuda"):
+        # an engine closed in this process leaves its pool cached by torch: count it free
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        kv_cache_memory = device_kv_cache_budget(
+            free,
+            total,
+            gpu_memory_utilization,
+            weight_bytes=int(model.num_parameters * _bytes_per_weight(quantization, dtype) / world),
+            activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs),
+        )
+    per_seq = -(-model_len // block_size)
+    kv_heads = max(1, model.num_kv_heads // world)  # a rank's (replicated past the KV heads)
+    bytes_per_block = 2 * model.num_layers * block_size * kv_heads * model.head_dim * dtype.itemsize
+    return max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))
+
+
+def _bytes_per_weight(quantization: str | None, dtype: torch.dtype) -> float:
+    """An upper bound of the weights' bytes per parameter (int4: 4-bit values with fp16 scale
+    and min per 32; a GGUF file holds at most 8-bit blocks, or 16-bit tensors)."""
+    return {None: dtype.itemsize, "int8": 1.125, "int4": 1.125, "gguf": dtype.itemsize}[
+        quantization
+    ]
+
+
+def device_kv_cache_budget(
+    free: int, total: int, utilization: float, weight_bytes: int, activation_bytes: int
+) -> int:
+    """Bytes of the KV pool on a GPU, measured before the model is loaded: the engine's share
+    of the device (`total * utilization`) less what is already in use (other processes, the
+    CUDA context: `total - free`), the weights and the activation reserve."""
+    budget = int(total * utilization) - (total - free) - weight_bytes - activation_bytes
+    if budget <= 0:
+        gib = 1 << 30
+        raise ConfigError(
+            f"no device memory left for the KV cache: {utilization:.0%} of {total / gib:.1f} "
+            f"GiB, {(total - free) / gib:.1f} GiB already used, weights "
+            f"{weight_bytes / gib:.1f} GiB, activations {activation_bytes / gib:.1f} GiB; "
+            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return budget
+
+
+def activation_reserve(model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """A conservative estimate of the peak memory of one step besides weights and KV cache:
+    per token the fused qkv and gate/up outputs and a few hidden-size buffers (fp32 upper
+    bound, twice for the allocator's slack), fp32 logits and sampler copies of every
+    sequence, and 512 MiB for CUDA graphs' pool, kernel workspaces and fragmentation."""
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_token = (qkv + 2 * model.intermediate_size + 4 * model.hidden_size) * 4 * 2
+    logits = max_num_seqs * model.vocab_size * 4 * 4
+    return max_num_batched_tokens * per_token + logits + (512 << 20)

@@ -1,0 +1,127 @@
+"""One rank's part of the model and its forward pass over a step: the model (or its
+tensor-parallel shard), its KV cache, the attention backend and the CUDA graphs.
+
+Rank 0's executor is the `ModelRunner` (which also plans steps and samples); the other ranks
+of a tensor-parallel engine run a plain `ShardExecutor` in worker processes
+(`worker.tp_worker`) over the same `StepPlan`, broadcast by rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.comm import TPGroup
+from pagedllm.distributed.shard import ShardPlan
+from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.model import load_model
+from pagedllm.model.llama import ForwardContext
+from pagedllm.model.rope import rope_cos_sin, rotary_table
+from pagedllm.worker import cuda_graphs
+
+
+@dataclass
+class StepPlan:
+    """A step's inputs as plain lists (what rank 0 broadcasts): the flattened batch, decodes
+    first (`num_decodes` of them), and the rows whose logits are wanted."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    logits_indices: list[int]
+    # logits of prompt positions are wanted too (prompt log-probs): no CUDA graph
+    eager: bool = False
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank `rank`'s device: the CPU for every rank, or the rank-th GPU from the engine's."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
+class ShardExecutor:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, world: int = 1, tp: TPGroup | None = None
+    ) -> None:
+        self.config = config
+        self.device = rank_device(config.device, rank)
+        use_device(self.device)
+        mcfg = config.model
+        plan = ShardPlan.create(mcfg, rank, world) if world > 1 else None
+        self.model = load_model(
+            config.model_dir,
+            mcfg,
+            config.dtype,
+            str(self.device),
+            config.quantization,
+            plan,
+            tp,
+        )
+        self.backend = create_attention_backend(config.attention_backend, str(self.device))
+        self.block_size = config.cache.block_size
+        num_kv_blocks = config.cache.num_kv_blocks
+        assert num_kv_blocks is not None
+        local = self.model.config  # the shard's KV heads
+        shape = self.backend.kv_cache_shape(
+            num_kv_blocks, self.block_size, local.num_kv_heads, local.head_dim
+        )
+        self.kv_caches = [
+            torch.zeros(shape, dtype=config.dtype, device=self.device)
+            for _ in range(mcfg.num_layers)
+        ]
+        cos, sin = rope_cos_sin(
+            mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
+        )
+        self.rotary = rotary_table(cos, sin).to(self.device)
+        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager)
+        self.graphs = cuda_graphs.create_graph_runner(self)
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+            if self.device.type == "cuda":  # pinned host memory, non-blocking copy
+                pinned = cuda_graphs.host_tensor(x, torch.int64, pin=True)
+                return pinned.to(self.device, non_blocking=True)
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        return StepInputs(
+            input_ids=t(plan.input_ids),
+            positions=t(plan.positions),
+            slot_mapping=t(plan.slot_mapping),
+            query_start_loc=plan.query_start_loc,
+            context_lens=plan.context_lens,
+            block_tables=t(plan.block_tables),
+            num_decodes=plan.num_decodes,
+            logits_indices=t(plan.logits_indices),
+            block_size=self.block_size,
+            sliding_window=self.config.model.sliding_window,
+        )
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The logits of `plan.logits_indices` (on rank 0; other ranks' are not the whole
+        vocabulary)."""
+        use_device(self.device)  # the engine's step thread starts on cuda:0
+        step = self.inputs(plan)
+        if self.graphs is not None and not plan.eager and self.graphs.can_run(step):
+            return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
+        rotary = self.rotary[step.positions].unsqueeze(1)
+        metadata = self.backend.build_metadata(step)
+        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
+        return self.model(step.input_ids, ctx, step.logits_indices)
+
+
+def use_device(device: torch.device) -> None:
+    """Make a CUDA device this thread's current one: Triton launches and graph captures go to
+    the current device, whatever their tensors' device."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
