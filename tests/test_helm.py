@@ -103,11 +103,13 @@ def test_every_manifest_matches_its_schema(name: str) -> None:
 
 def test_schemas_reject_what_the_api_server_would() -> None:
     """Each schema source sees a misplaced field (strict) and a wrong type."""
-    docs = render(EVERYTHING)
-    for kind in ("Deployment", "Service", "ScaledObject", "PodMonitor", "InferencePool"):
-        doc = yaml.safe_load(yaml.safe_dump(docs[kind]))
+    docs = {**render(VALUE_SETS["servicemonitor-hpa"]), **render(EVERYTHING)}
+    assert len(docs) == 8
+    for kind, doc in docs.items():
+        doc = yaml.safe_load(yaml.safe_dump(doc))
         doc["spec"]["replicaz"] = 2
         assert schema_errors(doc), f"{kind}: an unknown spec field passes"
+        assert schema_errors({**doc, "spec": "nothing"}), f"{kind}: a string spec passes"
     pool = docs["InferencePool"]
     pool["spec"]["targetPorts"] = [{"number": "9000"}]
     assert schema_errors(pool)
