@@ -20,7 +20,8 @@ def running_gateway(server: TritonServer, model_dir: Path, log: Path, *args: str
     output goes to `log` (shown if it stops or does not answer within 60 s)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", server.grpc_url]
-    cmd += ["--port", str(port), "--model-dir", str(model_dir), *args]
+    cmd += ["--port", str(port), "--model-dir", str(model_dir), "--metrics-url", server.metrics_url]
+    cmd += list(args)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

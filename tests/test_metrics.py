@@ -9,8 +9,9 @@ from pathlib import Path
 
 from conftest import TINY, random_prompts
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
 from pagedllm.engine.metrics import HISTOGRAMS
-from pagedllm.serving.metrics import COUNTERS, GAUGES, MetricsExporter
+from pagedllm.serving.metrics import COUNTERS, GAUGES, MetricsExporter, cache_config_info
 
 
 def test_counters_and_observations_under_preemption(checkpoints: dict[str, Path]) -> None:
@@ -50,3 +51,17 @@ def test_counters_and_observations_under_preemption(checkpoints: dict[str, Path]
     # nothing new: no increments the second time
     again = list(exporter.updates(llm.engine.stats(), llm.engine.metrics.drain()))
     assert {u.kind for u in again} == {"gauge"}
+
+
+def test_cache_config_info_has_vllms_labels(checkpoints: dict[str, Path]) -> None:
+    """The KV pool, labelled as vLLM labels vllm:cache_config_info (its CacheConfig field
+    names; the endpoint picker reads block_size and num_gpu_blocks). The pool a real server
+    allocates: tests/gateway_metrics.py."""
+    config = EngineConfig.create(
+        checkpoints["llama"], block_size=8, num_kv_blocks=24, dtype="float32", device="cpu"
+    )
+    info = cache_config_info(config, 24)
+    assert info["block_size"] == "8" and info["num_gpu_blocks"] == "24"
+    assert info["cache_dtype"] == "float32" and info["enable_prefix_caching"] == "True"
+    assert info["gpu_memory_utilization"] == "0.9" and info["engine"] == "0"
+    assert all(isinstance(v, str) for v in info.values())

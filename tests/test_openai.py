@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from gateway_metrics import test_gateway_serves_what_the_endpoint_picker_reads  # noqa: F401
 from openai_gateway import running_gateway
 from server_metrics import metrics, wait_idle
 from test_server import offline_text

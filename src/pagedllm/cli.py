@@ -29,6 +29,7 @@ def _openai(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
         triton_model=args.triton_model,
+        metrics_url=args.metrics_url,
     )
     return serve(config, args.host, args.port)
 
@@ -119,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--served-model-name", default=None, help="default: the model dir's name")
     o.add_argument("--chat-template", default=None, help="a Jinja file overriding the model's")
     o.add_argument("--triton-model", default="ensemble", help="default %(default)s")
+    o.add_argument(
+        "--metrics-url",
+        default=None,
+        help="Triton's metrics endpoint, relayed at /metrics (default: http://HOST:8002/metrics, "
+        "HOST of --triton-url)",
+    )
     args = ap.parse_args(argv)
     if args.command == "openai":
         return _openai(args)

@@ -33,11 +33,14 @@ from pagedllm.convert import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.engine_model import EngineModel  # noqa: E402
 from pagedllm.serving.metrics import (  # noqa: E402
+    CACHE_CONFIG_INFO,
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    INFO,
     REJECTED,
     MetricsExporter,
+    cache_config_info,
 )
 from pagedllm.serving.settings import (  # noqa: E402
     DEFAULT_DRAIN_TIMEOUT,
@@ -65,7 +68,7 @@ class _Metrics:
         self.exporter = MetricsExporter()
         kinds = pb_utils.MetricFamily
         self.families = {}  # a family must outlive its metrics
-        for names, kind in ((COUNTERS, kinds.COUNTER), (GAUGES, kinds.GAUGE)):
+        for names, kind in ((COUNTERS, kinds.COUNTER), (GAUGES | INFO, kinds.GAUGE)):
             for name, doc in names.items():
                 self.families[name] = kinds(name=name, description=doc, kind=kind)
         for name, (doc, _) in HISTOGRAMS.items():
@@ -89,11 +92,17 @@ class _Metrics:
     def rejected(self):
         self.queue.put(None)
 
+    def info(self, name, labels):
+        """An info gauge: 1, the facts in its labels."""
+        self.queue.put((name, tuple(labels.items())))
+
     def _apply(self):
         while True:
             item = self.queue.get()
             if item is None:
                 self._metric(REJECTED, (("reason", "queue_full"),)).increment(1)
+            elif isinstance(item[0], str):
+                self._metric(*item).set(1)
             else:
                 self._update(*item)
 
@@ -155,6 +164,10 @@ class TritonPythonModel:
             stopping=_stopping(setting(params, "drain_file")),
             drain_timeout=float(setting(params, "drain_timeout_s", str(DEFAULT_DRAIN_TIMEOUT))),
         )
+        if exporter:
+            engine = self.model.engine
+            blocks = engine.stats().kv_blocks_total
+            exporter.info(CACHE_CONFIG_INFO, cache_config_info(engine.config, blocks))
 
     def execute(self, requests):
         for request in requests:

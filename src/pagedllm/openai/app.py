@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
+from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, Prompt, parse_body
 from pagedllm.openai.request_body import MAX_BODY_BYTES, read_json
 from pagedllm.openai.responses import Builder, ChatBuilder, CompletionBuilder, Sample
@@ -57,6 +58,7 @@ class GatewayConfig:
     chat_template: str | None = None  # a file overriding the model's template
     triton_model: str = "ensemble"
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies answer 413
+    metrics_url: str | None = None  # Triton's, relayed at /metrics; None: triton_url's host:8002
 
     @property
     def model_name(self) -> str:
@@ -243,6 +245,7 @@ async def _server_error_response(request: Request, exc: Exception) -> Response:
 
 def create_app(config: GatewayConfig) -> Starlette:
     gateway = Gateway(config)
+    metrics = MetricsRelay(config.metrics_url or default_metrics_url(config.triton_url))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -263,6 +266,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+            Route("/metrics", metrics.metrics, methods=["GET"]),
         ],
         exception_handlers=handlers,
         lifespan=lifespan,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.engine.metrics import HISTOGRAMS
 
@@ -26,7 +27,36 @@ GAUGES = {
     "vllm:num_requests_waiting": "Requests waiting to be scheduled.",
     "vllm:kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (1 = all).",
 }
-__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "REJECTED", "MetricsExporter", "Update"]
+# gauges set once to 1, the facts in their labels (vLLM's "info" metrics)
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+INFO = {CACHE_CONFIG_INFO: "Information of the LLMEngine CacheConfig"}
+__all__ = [
+    "CACHE_CONFIG_INFO",
+    "COUNTERS",
+    "GAUGES",
+    "HISTOGRAMS",
+    "INFO",
+    "REJECTED",
+    "MetricsExporter",
+    "Update",
+    "cache_config_info",
+]
+
+
+def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
+    """The labels of vllm:cache_config_info, named as vLLM names its CacheConfig fields (the
+    values as strings, as vLLM writes them). The Gateway API Inference Extension's endpoint
+    picker reads `block_size` and `num_gpu_blocks` (its prefix-cache scorer); `num_blocks`:
+    the KV blocks of the pool the engine allocated, on whatever device it runs (vLLM's
+    name says GPU)."""
+    return {
+        "block_size": str(config.cache.block_size),
+        "num_gpu_blocks": str(num_blocks),
+        "cache_dtype": str(config.dtype).removeprefix("torch."),
+        "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "engine": "0",
+    }
 
 
 @dataclass(frozen=True)
