@@ -6,18 +6,43 @@ every rank holds its share of the weights and of the KV heads, and the budget is
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pagedllm.errors import ConfigError
 
-if TYPE_CHECKING:
-    from pagedllm.config import ModelConfig
+
+class ModelSizes(Protocol):
+    """What sizing reads of a model's config (`config.ModelConfig`)."""
+
+    @property
+    def num_parameters(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
 
 def num_kv_blocks(
-    model: ModelConfig,
+    model: ModelSizes,
     device: str,
     dtype: torch.dtype,
     quantization: str | None,
@@ -76,7 +101,7 @@ def device_kv_cache_budget(
     return budget
 
 
-def activation_reserve(model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def activation_reserve(model: ModelSizes, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """A conservative estimate of the peak memory of one step besides weights and KV cache:
     per token the fused qkv and gate/up outputs and a few hidden-size buffers (fp32 upper
     bound, twice for the allocator's slack), fp32 logits and sampler copies of every

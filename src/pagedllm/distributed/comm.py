@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -46,6 +47,10 @@ class TPGroup:
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device) -> None:
         self.rank, self.world = rank, world
+        # seconds spent waiting for collectives, and their count (benchmarks read them; on a
+        # GPU an NCCL wait returns once the op is queued on the stream)
+        self.wait_seconds = 0.0
+        self.waits = 0
         self.control: Any = _gloo(dist.PrefixStore("control", store), rank, world)
         self.tensors: Any = self.control
         if device.type == "cuda":
@@ -56,7 +61,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
-        self.tensors.allreduce([x]).wait()
+        self._wait(self.tensors.allreduce([x]))
         return x
 
     def gather_logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -66,7 +71,7 @@ class TPGroup:
         out = [[torch.empty_like(x) for _ in range(self.world)]] if self.rank == 0 else []
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        self.tensors.gather(out, [x], opts).wait()
+        self._wait(self.tensors.gather(out, [x], opts))
         return torch.cat(out[0], dim=1) if self.rank == 0 else None
 
     def broadcast(self, obj: Any = None) -> Any:
@@ -75,13 +80,19 @@ class TPGroup:
         opts.rootRank, opts.rootTensor = 0, 0
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self.control.broadcast([size], opts).wait()
+        self._wait(self.control.broadcast([size], opts))
         if self.rank == 0:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buf = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.control.broadcast([buf], opts).wait()
+        self._wait(self.control.broadcast([buf], opts))
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+    def _wait(self, work: Any) -> None:
+        start = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - start
+        self.waits += 1
 
     def barrier(self) -> None:
         self.control.barrier().wait()

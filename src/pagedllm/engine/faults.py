@@ -10,7 +10,6 @@ requests failing step after step) poisons the engine: `EngineDeadError` from the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -18,12 +17,11 @@ import torch
 
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 
+# they live in pagedllm.errors (the worker processes raise them too); re-exported here
+from pagedllm.errors import EngineDeadError as EngineDeadError
+from pagedllm.errors import describe as describe
+
 Execute = Callable[[SchedulerOutput], RunnerOutput]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is poisoned (a device fault, or a fault no single request explains): every
-    request in flight failed, and no request is accepted any more. Restart the engine."""
 
 
 class RequestFailedError(RuntimeError):
@@ -56,19 +54,6 @@ def is_fatal(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError | SystemError | EngineDeadError | torch.AcceleratorError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_ERRORS)
-
-
-# an absolute, home or relative path of two or more components (Windows drives included)
-_PATH = re.compile(r"(?:[A-Za-z]:|~|[\w.+@-]+)?(?:[\\/][\w.+@-]+){2,}[\\/]?")
-
-
-def describe(exc: BaseException, limit: int = 300) -> str:
-    """`Type: message` for a client: the message's first line, file paths replaced, capped."""
-    lines = str(exc).strip().splitlines()
-    text = _PATH.sub("<path>", lines[0] if lines else "")
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def find_culprits(

@@ -21,7 +21,7 @@ from pagedllm.config import ConfigError, EngineConfig
 from pagedllm.distributed.comm import TPGroup, host_store, join_store
 from pagedllm.distributed.processes import WorkerProcesses, report, watch_parent
 from pagedllm.distributed.shard import ShardPlan
-from pagedllm.engine.faults import EngineDeadError, describe
+from pagedllm.errors import EngineDeadError, describe
 from pagedllm.worker.executor import ShardExecutor, rank_device
 
 logger = logging.getLogger(__name__)
