@@ -339,6 +339,7 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: Yaml) -> None:
         "enable_prefix_caching": False,
         "gpu_memory_utilization": 0.9,
         "enforce_eager": False,
+        "tensor_parallel_size": 1,
     }
 
 
