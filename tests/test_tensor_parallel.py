@@ -99,6 +99,8 @@ def test_triton_settings_for_tensor_parallelism() -> None:
     assert instance_gpus(ids, "llm_engine_0_0") == "0,1"
     assert instance_gpus(ids, "llm_engine_0_1") == "2,3"
     assert instance_gpus({"gpu_device_ids": "4,5"}, "llm_engine_0_3") == "4,5"  # one group
+    two_groups = [{"count": 1, "kind": "KIND_MODEL"}, {"count": 1, "kind": "KIND_MODEL"}]
+    assert instance_gpus(ids, "llm_engine_1_0", two_groups) == "2,3"  # numbered across groups
     with pytest.raises(ValueError, match="has 2 groups"):
         instance_gpus(ids, "llm_engine_0_2")
     with pytest.raises(ValueError, match="look like"):
@@ -197,6 +199,9 @@ def test_a_fault_in_a_step_fails_the_requests_with_the_workers_reason(
         workers.procs.processes[1].join(5)
         with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+\) died"):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), False)
+        assert "worker 1" in str(llm.engine.dead_reason)  # poisoned: it never steps again
+        with pytest.raises(EngineDeadError, match="worker 1"):
+            llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2), False)
     finally:
         llm.close()
     assert not wait_gone(workers.pids, 5)

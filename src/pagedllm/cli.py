@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--tensor-parallel-size",
         type=int,
-        default=1,
+        default=None,
         help="split the model over this many ranks (GPUs, or processes on the CPU); sets "
         "PAGEDLLM_TENSOR_PARALLEL_SIZE",
     )
@@ -134,10 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
         model = args.model or str(prepare.prepare_smollm2())
         quantization = args.quantization or _default_quantization(args)
-        env = {
-            "PAGEDLLM_DEVICE": args.device,
-            "PAGEDLLM_TENSOR_PARALLEL_SIZE": str(args.tensor_parallel_size),
-        }
+        env = {"PAGEDLLM_DEVICE": args.device}
+        if args.tensor_parallel_size is not None:  # else config.pbtxt's
+            env["PAGEDLLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
         if args.trace_file:
             env["PAGEDLLM_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         log_file = Path(args.log_file) if args.log_file else None

@@ -41,6 +41,10 @@ class ModelSizes(Protocol):
     def vocab_size(self) -> int: ...
 
 
+# per rank, for NCCL's communicator buffers when the model is split over GPUs
+NCCL_RESERVE = 512 << 20
+
+
 def num_kv_blocks(
     model: ModelSizes,
     device: str,
@@ -61,13 +65,16 @@ def num_kv_blocks(
         # an engine closed in this process leaves its pool cached by torch: count it free
         gc.collect()
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(torch.device(device))
+        # every rank's pool has the same number of blocks: the GPU with the least free
+        first = torch.device(device).index or 0
+        free, total = min(torch.cuda.mem_get_info(first + rank) for rank in range(world))
         kv_cache_memory = device_kv_cache_budget(
             free,
             total,
             gpu_memory_utilization,
             weight_bytes=int(model.num_parameters * _bytes_per_weight(quantization, dtype) / world),
-            activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs),
+            activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs)
+            + (NCCL_RESERVE if world > 1 else 0),
         )
     per_seq = -(-model_len // block_size)
     kv_heads = max(1, model.num_kv_heads // world)  # a rank's (replicated past the KV heads)

@@ -22,6 +22,7 @@ import locale  # noqa: E402
 with contextlib.suppress(locale.Error):  # no such locale here: keep the default
     locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
 
+import json  # noqa: E402
 import logging  # noqa: E402
 import queue  # noqa: E402
 import signal  # noqa: E402
@@ -49,6 +50,7 @@ from pagedllm.serving.settings import (  # noqa: E402
     instance_device,
     instance_gpus,
     int_setting,
+    set_visible_gpus,
     setting,
     tensor_parallel_size,
 )
@@ -144,9 +146,10 @@ class TritonPythonModel:
         metrics = to_bool("metrics", setting(params, "metrics", "true"))
         kind = args["model_instance_kind"]
         tensor_parallel_size(params, kind)  # KIND_GPU with tensor_parallel_size > 1: refused
-        gpus = instance_gpus(params, args["model_instance_name"])
+        groups = json.loads(args["model_config"]).get("instance_group", [])
+        gpus = instance_gpus(params, args["model_instance_name"], groups)
         if gpus is not None:  # before CUDA starts: this process and its workers see only these
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+            set_visible_gpus(gpus)
         device = instance_device(params, kind, int(args["model_instance_device_id"]))
         exporter = _Metrics(labels) if metrics else None
         self.model = EngineModel(

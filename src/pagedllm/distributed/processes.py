@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.spawn as mp_spawn
 import os
 import shutil
 import signal
@@ -75,28 +76,40 @@ class WorkerProcesses:
     """Processes 1..n-1 of a group, each running `target(rank, *args, death, report)`."""
 
     def __init__(
-        self, name: str, ranks: range, target: Callable[..., None], args: tuple[Any, ...]
+        self,
+        name: str,
+        ranks: range,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        on_death: Callable[[], None] | None = None,
     ) -> None:
+        """`on_death`: called on the monitor thread once a worker is seen dead."""
         ctx = mp.get_context("spawn")
-        ctx.set_executable(python_executable())
         self.name = name
+        self._on_death = on_death
         self._death_r, self._death_w = ctx.Pipe(duplex=False)
         self._reports: dict[int, Connection] = {}
         self.processes: dict[int, mp.process.BaseProcess] = {}
         self._stopping = False
         self.dead_reason: str | None = None
-        for rank in ranks:
-            report_r, report_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=target,
-                args=(rank, *args, self._death_r, report_w),
-                name=f"{name}-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            report_w.close()
-            self._reports[rank] = report_r
-            self.processes[rank] = proc
+        # the interpreter is a global of multiprocessing's: set for these starts only
+        before = mp_spawn.get_executable()
+        mp_spawn.set_executable(python_executable())
+        try:
+            for rank in ranks:
+                report_r, report_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=target,
+                    args=(rank, *args, self._death_r, report_w),
+                    name=f"{name}-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                report_w.close()
+                self._reports[rank] = report_r
+                self.processes[rank] = proc
+        finally:
+            mp_spawn.set_executable(before)
         self._death_r.close()  # the workers hold the read end; this one must not keep it open
         self._monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
         self._monitor.start()
@@ -112,18 +125,20 @@ class WorkerProcesses:
             return
         rank = sentinels[ready[0]]  # type: ignore[index]
         proc = self.processes[rank]
-        proc.join(1)
+        proc.join(0.5)
         reason = f"{self.name} {rank} (pid {proc.pid}) died ({_exit_text(proc.exitcode)})"
         if said := self.reported(rank):
             reason += f": {said}"
         self.dead_reason = reason
         logger.critical("%s", reason)
+        if self._on_death is not None:
+            self._on_death()
 
     def reported(self, rank: int) -> str:
         """What worker `rank` reported before it exited ("" if nothing)."""
         conn = self._reports[rank]
         try:
-            return str(conn.recv()) if conn.poll(0.2) else ""
+            return str(conn.recv()) if conn.poll(0.1) else ""
         except (EOFError, OSError):
             return ""
 

@@ -227,7 +227,9 @@ class LLMEngine:
         the step until the requests that fail on their own are found, fail them, and roll
         the others back to be recomputed (the same tokens as without the fault: seeded
         streams are rebuilt where they stood). Poison when the fault is not one request's."""
-        if isinstance(error, EngineDeadError):
+        if isinstance(error, EngineDeadError):  # a tensor-parallel step, or already poisoned
+            if self.dead_reason is None:
+                self._poison(str(error), error)
             raise error
         batch = sched.scheduled
         logger.error("engine step of %d requests failed", len(batch), exc_info=error)

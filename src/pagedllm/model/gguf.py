@@ -12,6 +12,7 @@ which is the layout our model uses (model/llama.py): they are taken as they are.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,10 @@ def target(name: str) -> tuple[str, int | None] | None:
     raise ConfigError(f"unexpected tensor {name!r} in the GGUF file")
 
 
-def read_tensors(path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Every tensor of the file by its GGUF name: dense ones as fp32 tensors (N, K) or (K,),
-    quantized ones as QuantizedWeight."""
+def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Every tensor of the file by its GGUF name, one at a time (the file is mapped, not
+    read whole): dense ones as fp32 tensors (N, K) or (K,), quantized ones as
+    QuantizedWeight."""
     try:
         import gguf
     except ImportError as e:
@@ -76,11 +78,9 @@ def read_tensors(path: Path) -> list[tuple[str, torch.Tensor | QuantizedWeight]]
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
-    out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims inner first
-        out.append((t.name, _tensor(gguf, t.tensor_type, np.asarray(t.data), shape, t.name)))
-    return out
+        yield t.name, _tensor(gguf, t.tensor_type, np.asarray(t.data), shape, t.name)
 
 
 def _tensor(gguf: Any, qtype: Any, data: np.ndarray, shape: tuple[int, ...], name: str) -> Any:

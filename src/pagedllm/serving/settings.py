@@ -79,25 +79,46 @@ def tensor_parallel_size(parameters: dict[str, str], kind: str = "MODEL") -> int
     return size
 
 
-def instance_gpus(parameters: dict[str, str], instance_name: str) -> str | None:
+def instance_gpus(
+    parameters: dict[str, str], instance_name: str, groups: list[dict[str, object]] | None = None
+) -> str | None:
     """The GPUs of this instance for CUDA_VISIBLE_DEVICES, from `gpu_device_ids`: GPU ids
     separated by commas, one group per instance separated by semicolons ("0,1;2,3": the
-    instance numbered 0 takes GPUs 0 and 1, instance 1 GPUs 2 and 3). The instance number is
-    the last number of its name (Triton's `model_instance_name`). None when unset."""
+    first instance takes GPUs 0 and 1, the second GPUs 2 and 3). Instances are numbered in
+    the order of the config's `instance_group`s (`groups`, each `count` instances), read from
+    Triton's instance name `<model>_<group>_<index>`. None when unset."""
     spec = setting(parameters, "gpu_device_ids").strip()
     if not spec:
         return None
-    groups = [g.strip() for g in spec.split(";")]
-    if any(not re.fullmatch(r"\d+(\s*,\s*\d+)*", g) for g in groups):
+    sets = [g.strip() for g in spec.split(";")]
+    if any(not re.fullmatch(r"\d+(\s*,\s*\d+)*", g) for g in sets):
         raise ValueError(f"gpu_device_ids must look like '0,1;2,3', got {spec!r}")
-    m = re.search(r"(\d+)$", instance_name)
-    index = int(m.group(1)) if m and len(groups) > 1 else 0
-    if index >= len(groups):
+    index = 0
+    if len(sets) > 1:
+        m = re.search(r"_(\d+)_(\d+)$", instance_name) or re.search(r"_(\d+)$", instance_name)
+        if m is None:
+            raise ValueError(f"cannot number instance {instance_name!r} for gpu_device_ids")
+        numbers = [int(x) for x in m.groups()]
+        group, index = (0, numbers[0]) if len(numbers) == 1 else numbers
+        counts = [int(str(g.get("count", 1))) for g in (groups or [])]
+        index += sum(counts[:group])
+    if index >= len(sets):
         raise ValueError(
             f"instance {instance_name!r} is number {index} but gpu_device_ids {spec!r} has "
-            f"{len(groups)} groups"
+            f"{len(sets)} groups"
         )
-    return ",".join(x.strip() for x in groups[index].split(","))
+    return ",".join(x.strip() for x in sets[index].split(","))
+
+
+def set_visible_gpus(gpus: str) -> None:
+    """Make this process (and the workers it starts) see only `gpus`, numbered as nvidia-smi
+    numbers them; CUDA reads this when it starts, so it must not have started yet."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise ValueError("gpu_device_ids: CUDA has already started in this process")
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus
 
 
 def engine_config(parameters: dict[str, str], device: str | None = None) -> EngineConfig:

@@ -224,7 +224,7 @@ def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     max_len = config.scheduler.max_model_len
     max_blocks = -(-max_len // runner.block_size)
     buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device)
-    kv_heads, window = config.model.num_kv_heads, config.model.sliding_window
+    kv_heads, window = runner.model.config.num_kv_heads, config.model.sliding_window  # the shard's
     kernel_config = backend.kernel_config(runner.device)
 
     def forward(b: DecodeBuffers) -> torch.Tensor:

@@ -81,8 +81,12 @@ class ShardExecutor:
             mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
         )
         self.rotary = rotary_table(cos, sin).to(self.device)
-        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager)
+        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager),
+        # captured by `capture_graphs` (with tensor parallelism: on every rank, once all hold
+        # their shards, since the graphs hold the collectives)
         self.graphs = cuda_graphs.create_graph_runner(self)
+
+    def capture_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
 

@@ -40,9 +40,10 @@ class ModelRunner(ShardExecutor):
             super().__init__(config, 0, world, tp)
             if self.workers is not None:
                 self.workers.wait_ready()
+            self.capture_graphs()
         except BaseException:
             if self.workers is not None:
-                self.workers.stop()
+                self.workers.stop(polite=False)  # they may be anywhere in their start
             raise
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
@@ -142,11 +143,7 @@ class ModelRunner(ShardExecutor):
         plan = self.plan(batch, extra)
         if self.workers is None:
             return self.forward(plan), spans
-        try:  # every rank runs the step: a fault in it leaves the ranks out of step for good
-            self.workers.tp.broadcast(plan)
-            return self.forward(plan), spans
-        except Exception as e:
-            raise self.workers.failure(e) from e
+        return self.workers.run(lambda: self.forward(plan), plan), spans
 
     def _fill_masks(self, sampled: list[ScheduledRequest]) -> Future[Masks | None] | None:
         if self.grammars is None or not any(s.params.structured_outputs for s in sampled):
