@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, RequestOutput, SamplingParams
 from pagedllm.prepare import prepare_smollm2
 
 pytestmark = pytest.mark.slow
@@ -26,13 +26,23 @@ def smollm2() -> Path:
     return prepare_smollm2()
 
 
-def test_greedy_parity_with_transformers(smollm2: Path) -> None:
+GREEDY = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def one_rank(smollm2: Path) -> list[RequestOutput]:
+    llm = LLM(str(smollm2), dtype="float32", block_size=16, max_num_batched_tokens=24)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.engine.check_integrity()
+    return outs
+
+
+def test_greedy_parity_with_transformers(smollm2: Path, one_rank: list[RequestOutput]) -> None:
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(smollm2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    llm = LLM(str(smollm2), dtype="float32", block_size=16, max_num_batched_tokens=24)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    outs = one_rank
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
         assert out.prompt_token_ids == ids[0].tolist()
@@ -44,7 +54,24 @@ def test_greedy_parity_with_transformers(smollm2: Path) -> None:
     # the chat prompt ends on <|im_end|> (EOS) before max_tokens
     assert outs[3].outputs[0].finish_reason == "stop"
     assert outs[3].outputs[0].token_ids[-1] == 2
-    llm.engine.check_integrity()
+
+
+def test_three_ranks_write_one_ranks_tokens(smollm2: Path, one_rank: list[RequestOutput]) -> None:
+    """Tensor parallelism over SmolLM2's 3 KV heads (the only split it allows): the same
+    greedy tokens as one rank, whose are HF's; log-probs within 1e-3 (sums reordered)."""
+    with LLM(
+        str(smollm2), dtype="float32", tensor_parallel_size=3, max_num_batched_tokens=24
+    ) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.engine.check_integrity()
+    for one, three in zip(one_rank, outs, strict=True):
+        assert three.outputs[0].token_ids == one.outputs[0].token_ids
+        gaps = [
+            abs(a[t].logprob - b[t].logprob)
+            for a, b in zip(one.outputs[0].logprobs, three.outputs[0].logprobs, strict=True)
+            for t in a
+        ]
+        assert max(gaps) < 1e-3, max(gaps)
 
 
 def test_the_shipped_gguf_is_served_on_its_own_blocks(smollm2: Path) -> None:
