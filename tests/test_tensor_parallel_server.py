@@ -1,8 +1,8 @@
-"""Tensor parallelism under a real tritonserver (tiny llama, 2 ranks on the CPU): the text
-streams exactly as one rank's offline engine writes it; unloading and reloading the engine
-three times leaves no worker process behind (by pid); the server's shutdown exits 0 within
-its timeout with every worker gone; a worker killed mid-stream fails the request with the
-worker's reason, and the server turns unready and exits instead of hanging."""
+"""Tensor parallelism under a real tritonserver (tiny llama, 2 ranks on the CPU), one server
+for the module: the text streams exactly as one rank's offline engine writes it; unloading
+and reloading the engine three times leaves no worker process behind (by pid); a worker
+killed mid-stream fails the request with the worker's reason, and the server turns unready
+and shuts down, exiting 0 within its timeout with every worker gone."""
 
 from __future__ import annotations
 
@@ -94,33 +94,25 @@ def test_unload_and_reload_three_times_leaves_no_worker(server: TritonServer, ll
     assert len(set(seen)) == 3 and not any(alive(p) for p in seen)
 
 
-def test_shutdown_exits_0_within_the_timeout_and_stops_the_workers(server: TritonServer) -> None:
+def test_a_killed_worker_fails_the_stream_and_the_server_exits_0(server: TritonServer) -> None:
+    """The last test of the module: it ends the server. The dead worker kills the engine,
+    which stops the server (exit_on_engine_failure): its shutdown unloads the models and
+    exits 0 within the exit timeout (the same finalize as the unloads above, with a dead
+    rank), leaving no worker."""
     pids = workers(server)
-    assert len(pids) == 1
+    [pid] = pids
+    long = GrpcStream(server, {**stream(480), "temperature": 0.0})
+    while not long.responses:  # it is streaming
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    assert long.done.wait(30), "the stream hangs"
+    long.client.stop_stream()
+    assert "the engine is dead" in str(long.error)
+    assert f"tensor-parallel worker 1 (pid {pid}) died" in str(long.error)
+    assert server.process is not None
     start = time.monotonic()
-    assert server.stop() == 0
+    assert server.process.wait(EXIT_TIMEOUT + 10) == 0  # unready, then it exits by itself
     assert time.monotonic() - start < EXIT_TIMEOUT
+    assert not server.is_ready()
     assert not wait_gone(pids, 5)
-
-
-def test_a_killed_worker_fails_requests_and_stops_the_server(
-    checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
-    server = make(checkpoints["llama"], tmp_path)
-    server.start()
-    try:
-        [pid] = workers(server)
-        long = GrpcStream(server, {**stream(480), "temperature": 0.0})
-        while not long.responses:  # it is streaming
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-        assert long.done.wait(30), "the stream hangs"
-        long.client.stop_stream()
-        assert "the engine is dead" in str(long.error)
-        assert f"tensor-parallel worker 1 (pid {pid}) died" in str(long.error)
-        assert server.process is not None
-        assert server.process.wait(EXIT_TIMEOUT + 10) is not None  # turns unready and exits
-        assert not server.is_ready()
-    finally:
-        server.stop()
     assert "stopping tritonserver" in server.log_path.read_text()
