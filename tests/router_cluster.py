@@ -48,6 +48,9 @@ MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT = 60.0  # per request: none may take longer, whatever happens to the replicas
 
 
+SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
 def completion(url: str, prompt: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
     """One greedy completion (`max_tokens` 16 unless `extra` says): {"status", "text",
     "finish", "error", "ttft", "seconds"} (ttft: seconds to the first text a client sees). A
@@ -133,10 +136,15 @@ def _tree(proc: subprocess.Popen[bytes] | None) -> list[psutil.Process]:
     return []
 
 
-def _maps(p: psutil.Process) -> list[Any]:
-    with contextlib.suppress(psutil.Error):
-        return list(p.memory_maps(grouped=True))
-    return []
+def _shm_files(procs: list[psutil.Process]) -> set[str]:
+    """The Python backend's shared-memory files of these processes: each stub is given its
+    region's name on its command line; tritonserver maps them."""
+    found = set()
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            found |= {m.path for m in p.memory_maps(grouped=True)}
+            found |= {f"/dev/shm/{a}" for a in p.cmdline() if a.startswith(SHM_PREFIX)}
+    return {f for f in found if f.startswith(f"/dev/shm/{SHM_PREFIX}")}
 
 
 @dataclass
@@ -197,12 +205,12 @@ class Replica:
     def pids(self) -> set[int]:
         return {p.pid for proc in (self.serve, self.gateway) for p in _tree(proc)}
 
-    def kill(self) -> None:
+    def kill(self) -> set[str]:
         """A crash: SIGKILL to the gateway, `pagedllm serve`, tritonserver and its stubs. The
-        shared-memory files the Python backend had open are removed after them (a killed
-        tritonserver cannot)."""
+        shared-memory files of the Python backend are removed after them (a killed tritonserver
+        cannot); returns their paths."""
         procs = [p for proc in (self.gateway, self.serve) for p in _tree(proc)]
-        shm = {m.path for p in procs for m in _maps(p) if m.path.startswith("/dev/shm/")}
+        shm = _shm_files(procs)
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
@@ -213,6 +221,7 @@ class Replica:
         for path in shm:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        return shm
 
     def stop(self) -> None:
         """`pagedllm serve` drains and stops tritonserver on SIGINT; the gateway on SIGTERM.
@@ -290,10 +299,16 @@ class Cluster:
 
 @contextmanager
 def running_cluster(
-    log_dir: Path, policy: str = "cache_aware", n: int = 2, model_dir: str | None = None
+    log_dir: Path,
+    policy: str = "cache_aware",
+    n: int = 2,
+    model_dir: str | None = None,
+    graceful: bool = True,
 ) -> Iterator[Cluster]:
-    """`n` replicas and a router; all stopped on exit. The replicas start one after the other:
-    side by side, their 14 Python stubs importing torch at once on 2 cores take 4x as long."""
+    """`n` replicas and a router; all stopped on exit, as `pagedllm serve` stops on Ctrl-C
+    (about 15 s: Triton unloads its models) or, not `graceful`, killed (2 s). The replicas
+    start one after the other: side by side, their 14 Python stubs importing torch at once on
+    2 cores take far longer."""
     replicas = [Replica(f"replica{i}", log_dir, model_dir) for i in range(n)]
     cluster = Cluster(replicas, Router([r.url for r in replicas], policy, log_dir))
     try:
@@ -304,7 +319,7 @@ def running_cluster(
         yield cluster
     finally:
         cluster.router.stop()
-        stops = [threading.Thread(target=r.stop) for r in replicas]  # ~10 s each: unloads
+        stops = [threading.Thread(target=r.stop if graceful else r.kill) for r in replicas]
         for t in stops:
             t.start()
         for t in stops:
