@@ -95,6 +95,11 @@ class Gateway:
             "owned_by": "pagedllm",
         }
 
+    async def server_info(self, request: Request) -> Response:
+        # what a router of the SGLang family (smg) reads when it adds this gateway as a worker:
+        # the model name it then lists and routes by (docs/routing.md)
+        return JSONResponse({"served_model_name": self.model_name})
+
     async def list_models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
@@ -264,6 +269,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/health", gateway.health, methods=["GET"]),
             Route("/v1/models", gateway.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
+            Route("/server_info", gateway.server_info, methods=["GET"]),
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/metrics", metrics.metrics, methods=["GET"]),

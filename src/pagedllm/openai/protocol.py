@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedllm.openai.errors import bad_request
+from pagedllm.openai.router_fields import ChatRouterFields, RouterFields
 from pagedllm.openai.structured import Strict, StructuredRequest
 from pagedllm.openai.tools import MessageToolCall, Tool, ToolChoice
 
@@ -59,9 +60,10 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(StructuredRequest):
+class _SamplingRequest(StructuredRequest, RouterFields):
     """The fields completions and chat completions share (with the structured-output fields:
-    `response_format`, vLLM's `structured_outputs` and `guided_*`)."""
+    `response_format`, vLLM's `structured_outputs` and `guided_*`; and those SGLang-family
+    routers add, `router_fields`)."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -87,6 +89,7 @@ class _SamplingRequest(StructuredRequest):
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         self.check_structured()
+        self.check_router_fields()
         if self.constraint is not None:
             check_utf8(self.constraint.spec, self.constraint.param)
         if self.stream_options is not None and not self.stream:
@@ -115,6 +118,7 @@ class _SamplingRequest(StructuredRequest):
             "repetition_penalty",
             "min_tokens",
             "ignore_eos",
+            "skip_special_tokens",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -215,7 +219,7 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ChatRouterFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -227,6 +231,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         super().check()
+        self.check_chat_router_fields()
         check_utf8([t.model_dump() for t in self.tools or []], "tools")
         for i, message in enumerate(self.messages):
             check_utf8(message.model_dump(exclude_none=True), f"messages[{i}]")
