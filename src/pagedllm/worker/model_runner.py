@@ -60,9 +60,8 @@ class ModelRunner(ShardExecutor):
         if self.workers is not None:
             self.workers.stop()
 
-    def plan(self, batch: list[ScheduledRequest], extra: list[int] | None = None) -> StepPlan:
-        """`batch` must hold the decodes first (see `order_batch`); `extra`: rows whose
-        logits are wanted besides the sampled ones (prompt log-probs)."""
+    def plan(self, batch: list[ScheduledRequest]) -> StepPlan:
+        """`batch` must hold the decodes first (see `order_batch`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -92,8 +91,7 @@ class ModelRunner(ShardExecutor):
             context_lens,
             tables,
             num_decodes,
-            logits_indices + (extra or []),
-            eager=bool(extra),
+            logits_indices,
         )
 
     def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
@@ -135,12 +133,13 @@ class ModelRunner(ShardExecutor):
     ) -> tuple[torch.Tensor, list[_PromptLogprobSpan]]:
         """The logits of the sampled rows, then of the prompt positions scored for prompt
         log-probs (the spans)."""
-        query_start_loc = [0]
-        for s in batch:
-            query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-        spans = _prompt_logprob_spans(batch, query_start_loc)
-        extra = [i for span in spans for i in range(span.flat_start, span.flat_start + span.count)]
-        plan = self.plan(batch, extra)
+        plan = self.plan(batch)
+        spans = _prompt_logprob_spans(batch, plan.query_start_loc)
+        if spans:  # prompt positions' logits too: no CUDA graph
+            plan.logits_indices += [
+                i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
+            ]
+            plan.eager = True
         if self.workers is None:
             return self.forward(plan), spans
         return self.workers.run(lambda: self.forward(plan), plan), spans
