@@ -158,7 +158,7 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T + bias` for a dense or quantized (N, K) weight; x is (M, K)."""
     module = cpu_kernels.kernel_module()
-    few_rows = x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _max_rows(w)
+    few_rows = x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= kernel_rows(w)
     if isinstance(w, torch.Tensor):
         if few_rows and module is not None:
             out = module.linear_dense(x, w, bias)  # on both cores (oneDNN's GEMV runs on one)
@@ -188,7 +188,8 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * inv) * (amax / 127)).reshape(x.shape).to(x.dtype)
 
 
-def _max_rows(w: Weight) -> float:
+def kernel_rows(w: Weight) -> float:
+    """Up to how many rows of x a CPU linear over `w` runs the C++ kernels."""
     if isinstance(w, QuantizedWeight):
         limit = KERNEL_MAX_ROWS["quantized"]
     else:

@@ -21,8 +21,8 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend, cpu_kernels
-from pagedllm.layers.attention.base import split_qkv
-from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
+from pagedllm.layers.attention.base import DecodeBatch, split_qkv
+from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, kernel_rows, linear
 
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
@@ -109,6 +109,10 @@ class LlamaForCausalLM(nn.Module):
         # (embeddings, lm_head) as the forward pass uses them (a tuple: a Parameter assigned
         # to a module attribute would be registered again)
         self._io: tuple[Weight, Weight] = (self.embed_tokens.weight, self.lm_head.weight)
+        # the layers' weights as csrc/decoder.cpp takes them, and up to how many decodes
+        # (empty: the layers run op by op)
+        self._kernel_weights: list[torch.Tensor] = []
+        self._kernel_rows = 0.0
 
     def set_quantized(self, name: str, weight: QuantizedWeight) -> None:
         """Hold parameter `name` as `weight` (quantized) and free its dense tensor."""
@@ -139,6 +143,47 @@ class LlamaForCausalLM(nn.Module):
         ]
         embed = w("embed_tokens.weight")
         self._io = (embed, embed if self.config.tie_word_embeddings else w("lm_head.weight"))
+        self._kernel_weights, self._kernel_rows = self._decode_kernel_weights()
+
+    def _decode_kernel_weights(self) -> tuple[list[torch.Tensor], float]:
+        """The layers' weights flattened for `decode_layers` (csrc/decoder.cpp), and the most
+        decodes it runs (the linear kernels' row limit); ([], 0) where it cannot run: tensor
+        parallelism, not the CPU, no extension, attention or weights the kernels refuse."""
+        cfg, norm = self.config, self.norm.weight
+        module = cpu_kernels.kernel_module()
+        if self.tp is not None or norm.device.type != "cpu" or module is None:
+            return [], 0.0
+        if not cpu_kernels.supports_shape(
+            norm.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ):
+            return [], 0.0
+        flat: list[torch.Tensor] = []
+        none = norm.new_empty(0)
+        for w in self._weights:
+            flat += [w.ln1, w.ln2]
+            for weight, bias in (
+                (w.qkv_w, w.qkv_b),
+                (w.o_w, w.o_b),
+                (w.gate_up_w, w.gate_up_b),
+                (w.down_w, w.down_b),
+            ):
+                if isinstance(weight, QuantizedWeight):
+                    flat += [
+                        weight.qweight,
+                        weight.scales,
+                        none if weight.mins is None else weight.mins,
+                    ]
+                elif weight.shape[1] % 32 == 0:
+                    flat += [weight, none, none]
+                else:
+                    return [], 0.0
+                flat.append(none if bias is None else bias)
+        linears = (
+            w
+            for layer in self._weights
+            for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+        )
+        return flat, min(kernel_rows(w) for w in linears)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -151,19 +196,45 @@ class LlamaForCausalLM(nn.Module):
         eps = cfg.rms_norm_eps
         tp = self.tp
         x = self._embed(input_ids)
-        residual: torch.Tensor | None = None  # the stream the layers add to, as in vLLM
-        for i, w in enumerate(self._weights):
-            x, residual = _add_rms_norm(x, residual, w.ln1, eps)
-            x = _attention(x, w, ctx, ctx.kv_caches[i], cfg, tp)
-            x, residual = _add_rms_norm(x, residual, w.ln2, eps)
-            gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-            x = _row_parallel(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b, tp)
-        x, _ = _add_rms_norm(x, residual, self.norm.weight, eps)
+        decodes = ctx.backend.decode_batch(ctx.attn_metadata) if self._kernel_weights else None
+        if decodes is not None and x.shape[0] <= self._kernel_rows:
+            x = self._decode_layers(x, ctx, decodes)
+        else:
+            residual: torch.Tensor | None = None  # the stream the layers add to, as in vLLM
+            for i, w in enumerate(self._weights):
+                x, residual = _add_rms_norm(x, residual, w.ln1, eps)
+                x = _attention(x, w, ctx, ctx.kv_caches[i], cfg, tp)
+                x, residual = _add_rms_norm(x, residual, w.ln2, eps)
+                gate_up = linear(x, w.gate_up_w, w.gate_up_b)
+                x = _row_parallel(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b, tp)
+            x, _ = _add_rms_norm(x, residual, self.norm.weight, eps)
         logits = linear(x[logits_indices], self._io[1]).float()
         if tp is None:
             return logits
         gathered = tp.gather_logits(logits)  # rank 0 samples; the others' logits go unused
         return logits if gathered is None else gathered[:, : self.vocab_size]
+
+    def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext, b: DecodeBatch) -> torch.Tensor:
+        """The layers and the final norm of a step of decodes, in one C++ call: the same
+        kernels in the same order as the op-by-op loop (csrc/decoder.cpp)."""
+        cfg = self.config
+        module = cpu_kernels.kernel_module()
+        assert module is not None
+        return module.decode_layers(
+            x,
+            self._kernel_weights,
+            ctx.kv_caches,
+            torch.view_as_real(ctx.rotary),
+            b.slot_mapping,
+            b.block_tables,
+            b.context_lens,
+            self.norm.weight,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            b.sliding_window,
+        )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings; vocab-parallel: each rank looks up its own rows (zeros for

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -31,6 +31,15 @@ def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.
     return qkv[:, :h], qkv[:, h:].view(qkv.shape[0], 2, kvh, qkv.shape[2])
 
 
+class DecodeBatch(NamedTuple):
+    """A step of decodes only, as the C++ decode kernels take it (csrc/decoder.cpp)."""
+
+    slot_mapping: torch.Tensor  # (D,) int64
+    block_tables: torch.Tensor  # (D, max_blocks) int64, rows contiguous
+    context_lens: torch.Tensor  # (D,) int64: tokens in the cache, the new one included
+    sliding_window: int  # 0: none
+
+
 class AttentionBackend(Protocol):
     """Owns the KV-cache layout: writes the new keys/values into their slots, then attends
     over each request's cached context."""
@@ -43,6 +52,12 @@ class AttentionBackend(Protocol):
 
     def build_metadata(self, step: StepInputs) -> Any:
         """Per-step tensors shared by every layer (built once per step)."""
+        ...
+
+    def decode_batch(self, metadata: Any) -> DecodeBatch | None:
+        """The step as a `DecodeBatch` when all its tokens are decodes and this backend's
+        attention is the C++ CPU kernel (the model may then run its layers in one call); else
+        None."""
         ...
 
     def forward(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.attention import cpu_kernels
-from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.attention.base import DecodeBatch, StepInputs
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 
 
@@ -49,6 +49,14 @@ class CpuAttentionBackend:
             block_tables=step.block_tables[:d].to(torch.int64).contiguous(),
             context_lens=torch.tensor(step.context_lens[:d], dtype=torch.int64),
             sliding_window=step.sliding_window,
+        )
+
+    def decode_batch(self, metadata: CpuAttentionMetadata) -> DecodeBatch | None:
+        m = metadata
+        if not self.kernel_available or m.num_decodes != len(m.ref.slot_mapping):
+            return None
+        return DecodeBatch(
+            m.ref.slot_mapping, m.block_tables, m.context_lens, m.sliding_window or 0
         )
 
     def forward(

@@ -64,7 +64,7 @@ _LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (s
 # The C++ sources (src/pagedllm/csrc/): one translation unit, the kernels after their shared
 # SIMD headers (each source includes what it needs; each is included once).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "qgemv.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "qgemv.cpp", "decoder.cpp")
 # the functions the extension exports (part of its name: a build never lacks one)
 _FUNCTIONS = (
     "paged_decode_attention",
@@ -78,6 +78,7 @@ _FUNCTIONS = (
     "linear_int4",
     "dequantize_int8",
     "dequantize_int4",
+    "decode_layers",
 )
 
 
@@ -143,13 +144,18 @@ def kernel_available() -> bool:
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the kernel handles these shapes/dtypes (else use the PyTorch path)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = kv_cache.shape[3]
     return (
         q.device.type == "cpu"
-        and q.dtype in _DTYPES
         and kv_cache.dtype == q.dtype
         and kv_cache.is_contiguous()
+        and supports_shape(q.dtype, q.shape[1], kv_cache.shape[3], q.shape[2])
+    )
+
+
+def supports_shape(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel attends heads of this dtype and shape."""
+    return (
+        dtype in _DTYPES
         and num_heads % kv_heads == 0
         and num_heads // kv_heads <= MAX_GROUP
         and head_dim % 16 == 0

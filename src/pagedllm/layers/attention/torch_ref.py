@@ -79,6 +79,9 @@ class TorchAttentionBackend:
             mask &= k_pos > q_pos - window
         return _Prefill(q_start, q_len, step.block_tables[r, :num_blocks], ctx_len, mask)
 
+    def decode_batch(self, metadata: TorchAttentionMetadata) -> None:
+        return None  # no fused CPU decode
+
     def forward(
         self,
         q: torch.Tensor,

@@ -108,6 +108,9 @@ class TritonAttentionBackend:
             sliding_window=sliding_window,
         )
 
+    def decode_batch(self, metadata: TritonAttentionMetadata) -> None:
+        return None  # no fused CPU decode
+
     def forward(
         self,
         q: torch.Tensor,
