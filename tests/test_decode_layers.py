@@ -34,7 +34,9 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
     for o in outs:
         c = o.outputs[0]
         assert c.logprobs is not None
-        result.append((c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+        result.append(
+            (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+        )
     return result
 
 
