@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import server_metrics
-from test_trtllm_bls import LONG, PROMPT, aborted, greedy
+from test_trtllm_bls import PROMPT, aborted, greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.codec import RequestError
@@ -41,6 +42,10 @@ def test_llmapi_request_defaults_and_refusals(checkpoints: dict[str, Path]) -> N
 
 
 # --- tensorrt_llm (the LLM-API model) -----------------------------------------------------------
+
+
+OTHERS_LEN = 64
+TARGET_LEN = 2000  # tokens of the slow checkpoint: seconds on any machine
 
 
 def llmapi_tensor(name: str, value: np.ndarray) -> Any:
@@ -92,19 +97,36 @@ def test_llmapi_client(server: TritonServer, llm: LLM) -> None:
     assert result.as_numpy("text_output")[0].decode() == prompt + greedy(llm, prompt, 16)
 
 
+@pytest.fixture(scope="module")
+def slow_server(
+    slow_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """A server whose target request outlives the first probe (0.5 s) on any machine: the
+    slow checkpoint's 4k context holds thousands of tokens (the tiny one's 480 take ~0.5 s)."""
+    from pagedllm.serving.launcher import make_server
+
+    with make_server(
+        str(slow_checkpoint), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")
+    ) as s:
+        yield s
+
+
 @pytest.mark.parametrize("how", ["stop request", "request cancel"])
-def test_llmapi_client_stops_a_request(server: TritonServer, llm: LLM, how: str) -> None:
+def test_llmapi_client_stops_a_request(
+    slow_server: TritonServer, slow_checkpoint: Path, how: str
+) -> None:
     """llmapi_client.py --stop-after-ms (a stop request with the same request id, or
     --stop-via-request-cancel): the request ends as CANCELLED and its engine request is
-    aborted; requests under other ids run on untouched. The others also slow the engine, so
-    the target is still running at its first probe (0.5 s)."""
+    aborted (at its first probe); requests under other ids run on untouched."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    params = SamplingParams(temperature=0, max_tokens=LONG)
+    server = slow_server
+    llm = LLM(str(slow_checkpoint), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=TARGET_LEN)
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "length"  # no EOS: it runs for a while
-    expected = PROMPT + out.text
+    assert out.finish_reason == "length"  # no EOS: it runs for seconds
+    expected = PROMPT + greedy(llm, PROMPT, OTHERS_LEN)
     before = aborted(server)
     completed: queue.Queue[tuple[str, Any]] = queue.Queue()
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
@@ -118,8 +140,8 @@ def test_llmapi_client_stops_a_request(server: TritonServer, llm: LLM, how: str)
             )
 
         for k in range(4):
-            send(f"other-{k}", llmapi_inputs(PROMPT, LONG))
-        future = send("target", llmapi_inputs(PROMPT, LONG))
+            send(f"other-{k}", llmapi_inputs(PROMPT, OTHERS_LEN))
+        future = send("target", llmapi_inputs(PROMPT, TARGET_LEN))
         time.sleep(0.1)
         if how == "stop request":
             send("target", stop_signals())
@@ -138,7 +160,9 @@ def test_llmapi_client_stops_a_request(server: TritonServer, llm: LLM, how: str)
         [result] = answers[f"other-{k}"]
         assert result.as_numpy("text_output")[0].decode() == expected
     assert server_metrics.wait_idle(server.metrics_url, timeout=5) < 5
-    assert aborted(server) == before + 1
+    m = server_metrics.metrics(server.metrics_url)
+    assert aborted(server) == before + 1, m
+    assert m["vllm:generation_tokens_total"] < 4 * OTHERS_LEN + TARGET_LEN  # cut short
 
 
 def test_end_to_end_test_llmapi_requests(server: TritonServer, llm: LLM) -> None:
