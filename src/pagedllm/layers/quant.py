@@ -29,11 +29,23 @@ from pagedllm.layers.attention import cpu_kernels
 
 INT4_GROUP = 32
 ACTIVATION_GROUP = 32  # activations meet quantized weights as int8 in groups of this many
-# Up to this many rows of x a CPU linear runs the C++ kernels (one pass over the weights per
-# call); past it, oneDNN's matmul (on the weight decoded once, for quantized weights) is
-# faster. 16-bit weights always take the kernels: without AVX-512 BF16, oneDNN's bf16 matmul
-# is 4x slower at any size. Measured by benchmarks/gemv_bench.py (kernel vs fallback columns).
-KERNEL_MAX_ROWS: dict[str, int | None] = {"fp32": 64, "quantized": 128, "16-bit": None}
+
+
+def _kernel_max_rows(flags: set[str]) -> dict[str, int | None]:
+    """Up to how many rows of x a CPU linear runs the C++ kernels (one pass over the weights
+    per call); past it, oneDNN's matmul (on the weight decoded once, for quantized weights) is
+    faster. Where depends on the CPU (benchmarks/gemv_bench.py, kernel vs fallback columns):
+    - AVX2 only (AMD EPYC Zen 3): fp32 up to 64 rows; 16-bit always (oneDNN's bf16 matmul has
+      no fast path there and is 4x slower at any size);
+    - AVX-512 (Intel Xeon): oneDNN's fp32 GEMM passes the kernel at 16 rows, and with AVX-512
+      BF16 / AMX its bf16 matmul passes it at 2 rows (5x at 32);
+    - quantized weights: up to 128 rows on both (the fallback decodes the weight per call)."""
+    avx512 = "avx512f" in flags
+    bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
+    return {"fp32": 8 if avx512 else 64, "quantized": 128, "16-bit": 1 if bf16 else None}
+
+
+KERNEL_MAX_ROWS = _kernel_max_rows(cpu_kernels.cpu_flags())
 
 
 @dataclass(frozen=True)

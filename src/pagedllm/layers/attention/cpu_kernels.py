@@ -100,6 +100,18 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def extension_name() -> str:
     headers = [p.read_text(encoding="utf-8") for p in sorted(CSRC.glob("*.h"))]
     parts = [*headers, *_source_text(), *_FUNCTIONS, *_CFLAGS, *_LDFLAGS]
