@@ -4,15 +4,11 @@
 // reading each weight once per call, at the memory-bandwidth bound; and the quantized
 // formats decoded whole (for many rows of x, where a dense matmul wins). Formats: gemv.h.
 // Rows of W are spread over threads, each thread reading its rows front to back (one
-// sequential stream: interleaving several rows starves the hardware prefetcher). One row of x:
-// each group of W is converted to fp32 lanes in registers and multiplied at once; several
-// rows: a block of 4 rows of W is converted once into a small buffer and reused by every row
-// of x. Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a multiple of 32 (callers fall
+// sequential stream: interleaving several rows starves the hardware prefetcher). Each group of
+// W is converted to fp32 lanes in registers and multiplied with up to 8 rows of x at once. Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a multiple of 32 (callers fall
 // back to PyTorch otherwise).
 
 namespace {
-
-constexpr int64_t kRowBlock = 4;  // rows of W converted at once for several rows of x
 
 // How far ahead of its reads one row of x prefetches the weight stream (rows are contiguous
 // and read front to back): the hardware prefetcher alone leaves bandwidth unused on rows of a
@@ -26,42 +22,75 @@ inline void prefetch_group(const T* p) {
     __builtin_prefetch(ahead + b, 0, 3);  // past the weight's end it is a no-op
 }
 
+// The widest fp32 vector: 16 lanes on AVX-512, else gemv.h's 8.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
+using vw = __m512;
+constexpr int kLanesW = 16;
+inline vw zerow() { return _mm512_setzero_ps(); }
+inline vw fmaw(vw a, vw b, vw c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsumw(vw a, vw b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+inline vw loadw(const float* p) { return _mm512_loadu_ps(p); }
+inline vw loadw(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline __m512 load16(const at::Half* p) {
+inline vw loadw(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-
-// One row of x, one row n of a dense W: its dot product, 16 lanes wide.
+#else
+using vw = v8;
+constexpr int kLanesW = 8;
+inline vw zerow() { return zero8(); }
+inline vw fmaw(vw a, vw b, vw c) { return fma8(a, b, c); }
+inline float hsumw(vw a, vw b) { return hsum8(a + b); }
 template <typename T>
-float gemv_row(const DenseW<T>& w, const float* x, int64_t k, int64_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+inline vw loadw(const T* p) { return load8(p); }
+#endif
+
+// M rows of x (k apart) against row n of a dense W: out[r] = x_r . w_n, each weight loaded
+// once for all M (x stays in L1). Up to 4 rows, two accumulators per row (two FMA chains);
+// past that one each, so that they stay in registers.
+template <int M, typename T>
+void gemv_rows(const DenseW<T>& w, const float* x, int64_t k, int64_t n, float* out) {
+  constexpr int kAcc = M > 4 ? 1 : 2;
+  vw acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = zerow();
   const T* p = w.w + n * k;
   for (int64_t i = 0; i < k; i += kGroup) {
     prefetch_group(p + i);
-    a0 = _mm512_fmadd_ps(load16(p + i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(load16(p + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    for (int j = 0; j < kGroup / kLanesW; ++j) {
+      const vw wv = loadw(p + i + j * kLanesW);
+      for (int r = 0; r < M; ++r)
+        acc[r][j % kAcc] = fmaw(wv, loadw(x + r * k + i + j * kLanesW), acc[r][j % kAcc]);
+    }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  for (int r = 0; r < M; ++r) out[r] = hsumw(acc[r][0], acc[r][1]);
 }
-#else
-// One row of x, one row n of a dense W: its dot product (four accumulators in flight).
+
+// Rows [r0, r1) of y (m, n): each row of W against the rows of x 8 at a time (a row of W
+// read from memory once: it stays in L1 for the next 8).
 template <typename T>
-float gemv_row(const DenseW<T>& w, const float* x, int64_t k, int64_t n) {
-  v8 acc[4] = {zero8(), zero8(), zero8(), zero8()};
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    prefetch_group(w.w + n * k + g * kGroup);
-    v8 wv[4];
-    w.group(n, g, nullptr, nullptr, wv);
-    for (int i = 0; i < 4; ++i) acc[i] = fma8(wv[i], load8(x + g * kGroup + 8 * i), acc[i]);
+void gemv_block(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n,
+                int64_t r0, int64_t r1, float* y) {
+  float out[8];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t i0 = 0; i0 < m; i0 += 8) {
+      const float* xs = x + i0 * k;
+      const int64_t rows = std::min<int64_t>(8, m - i0);
+      switch (rows) {
+        case 1: gemv_rows<1>(w, xs, k, r, out); break;
+        case 2: gemv_rows<2>(w, xs, k, r, out); break;
+        case 3: gemv_rows<3>(w, xs, k, r, out); break;
+        case 4: gemv_rows<4>(w, xs, k, r, out); break;
+        case 5: gemv_rows<5>(w, xs, k, r, out); break;
+        case 6: gemv_rows<6>(w, xs, k, r, out); break;
+        case 7: gemv_rows<7>(w, xs, k, r, out); break;
+        default: gemv_rows<8>(w, xs, k, r, out);
+      }
+      for (int64_t i = 0; i < rows; ++i) y[(i0 + i) * n + r] = out[i];
+    }
   }
-  return hsum8((acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
-#endif
 
 // Row n of W decoded to fp32 into out (k values).
 template <typename W>
@@ -74,46 +103,13 @@ void decode_row(const W& w, int64_t n, int64_t k, float* out, float* sc, float* 
   }
 }
 
-// R dot products of x with R decoded rows (x read once for all of them).
-template <int R>
-void dots(const float* x, const float* rows, int64_t k, float* y) {
-  v8 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = zero8();
-  for (int64_t i = 0; i < k; i += 8) {
-    const v8 xv = load8(x + i);
-    for (int r = 0; r < R; ++r) acc[r] = fma8(load8(rows + r * k + i), xv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) y[r] = hsum8(acc[r]);
-}
-
 // y (m, n) fp32 = x (m, k) fp32 @ W^T for a dense W, rows of W spread over threads.
 template <typename T>
 void gemm_small(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n, float* y) {
-  const int64_t bytes_per_row = k * static_cast<int64_t>(sizeof(T));
-  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (bytes_per_row * kRowBlock));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> rows(m > 1 ? kRowBlock * k : 0);
-    float out[kRowBlock];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * kRowBlock, count = std::min(kRowBlock, n - r0);
-      if (m == 1) {
-        for (int64_t r = r0; r < r0 + count; ++r) y[r] = gemv_row(w, x, k, r);
-        continue;
-      }
-      for (int64_t r = 0; r < count; ++r)
-        decode_row(w, r0 + r, k, rows.data() + r * k, nullptr, nullptr);  // no scales
-      for (int64_t i = 0; i < m; ++i) {
-        if (count == kRowBlock) {
-          dots<kRowBlock>(x + i * k, rows.data(), k, out);
-        } else {
-          for (int64_t r = 0; r < count; ++r) dots<1>(x + i * k, rows.data() + r * k, k, out + r);
-        }
-        for (int64_t r = 0; r < count; ++r) y[i * n + r0 + r] = out[r];
-      }
-    }
-  });
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (k * static_cast<int64_t>(sizeof(T))));
+  at::parallel_for(0, n, grain,
+                   [&](int64_t r0, int64_t r1) { gemv_block(w, x, m, k, n, r0, r1, y); });
 }
 
 // gemm_small on x (any float dtype): y in x's dtype, plus the bias.

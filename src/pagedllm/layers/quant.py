@@ -37,12 +37,12 @@ def _kernel_max_rows(flags: set[str]) -> dict[str, int | None]:
     faster. Where depends on the CPU (benchmarks/gemv_bench.py, kernel vs fallback columns):
     - AVX2 only (AMD EPYC Zen 3): fp32 up to 64 rows; 16-bit always (oneDNN's bf16 matmul has
       no fast path there and is 4x slower at any size);
-    - AVX-512 (Intel Xeon): oneDNN's fp32 GEMM passes the kernel at 16 rows, and with AVX-512
-      BF16 / AMX its bf16 matmul passes it at 2 rows (5x at 32);
+    - AVX-512 (Intel Xeon): oneDNN's fp32 GEMM passes the kernel past 16 rows, and with
+      AVX-512 BF16 / AMX its bf16 matmul past 8 rows (3x at 32);
     - quantized weights: up to 128 rows on both (the fallback decodes the weight per call)."""
     avx512 = "avx512f" in flags
     bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
-    return {"fp32": 8 if avx512 else 64, "quantized": 128, "16-bit": 1 if bf16 else None}
+    return {"fp32": 16 if avx512 else 64, "quantized": 128, "16-bit": 8 if bf16 else None}
 
 
 KERNEL_MAX_ROWS = _kernel_max_rows(cpu_kernels.cpu_flags())
