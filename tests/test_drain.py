@@ -114,7 +114,11 @@ def test_unload_and_reload_under_load_five_times_leaks_nothing(
     try:
         for _ in range(5):
             long = GrpcStream(server, {**long_request(max_tokens=32), "stream": True})
-            wait_running(server, 1)
+            # its first token: it runs in the engine (a running count of 1 may be a client's)
+            deadline = time.monotonic() + 60
+            while not long.responses:
+                assert time.monotonic() < deadline and long.error is None, long.error
+                time.sleep(0.002)
             assert repository(server, "unload") == 200
             assert long.done.wait(60)  # it finishes: an unload waits for the requests in flight
             long.client.stop_stream()

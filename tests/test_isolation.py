@@ -196,6 +196,13 @@ def test_admission_control_refuses_at_once_past_the_queue_limit(
         for _ in range(MAX_NUM_SEQS + MAX_QUEUED)
     ]
     wait_running(slow_server, MAX_NUM_SEQS)
+    deadline = time.monotonic() + 60  # and the last two queued (they may arrive later)
+    while (
+        server_metrics.metrics(slow_server.metrics_url).get("vllm:num_requests_waiting")
+        != MAX_QUEUED
+    ):
+        assert time.monotonic() < deadline, "the queue never filled"
+        time.sleep(0.02)
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
