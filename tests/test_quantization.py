@@ -86,19 +86,22 @@ def test_activations_are_rounded_to_int8_in_groups_of_32() -> None:
 
 def _formats(w: torch.Tensor, dtype: torch.dtype) -> dict[str, quant.Weight]:
     """The weight quantized every way, and dense in the model's dtype (that of x)."""
-    return {
+    formats: dict[str, quant.Weight] = {
         "int8/channel": quant.quantize_int8(w),
         "int8/32": quant.quantize_int8(w, 32),
         "int4": quant.quantize_int4(w),
         "dense": w.to(dtype),
     }
+    if w.shape[1] % 64 == 0:  # two groups of 32 sharing a scale
+        formats["int8/64"] = quant.quantize_int8(w, 64)
+    return formats
 
 
 @pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="no C++ toolchain")
 @pytest.mark.parametrize("path", ["kernels", "fallback"])
-@pytest.mark.parametrize("rows", [1, 3, 17, 65, 129])
+@pytest.mark.parametrize("rows", [1, 3, 6, 17, 65, 129])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(67, 64), (5, 576), (130, 1536)])
+@pytest.mark.parametrize("shape", [(67, 64), (33, 96), (5, 576), (130, 1536)])
 def test_linear_matches_dequantize_then_matmul(
     rows: int,
     x_dtype: torch.dtype,

@@ -53,32 +53,6 @@ inline float hsum8(v8 v) {
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-// Integer dots of 32 weights with 32 int8 activations: 8 int32 lanes (as fp32) summing to it.
-// maddubs multiplies unsigned by signed bytes into pairs of int16: 15 * 127 * 2 and (int8, by
-// |w| and x with w's sign) 128 * 127 * 2 both fit.
-// With VNNI one instruction does both steps (the same sums: no pair saturates).
-inline v8 dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
-#elif defined(__AVXVNNI__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
-#else
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-inline v8 dot_q8(const int8_t* w, const int8_t* x) {
-  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-}
-inline v8 dot_q4(const uint8_t* w, const int8_t* x) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  return dot_u8s8(_mm256_set_m128i(hi, lo),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
 #else
 typedef float v8 __attribute__((vector_size(32)));
 inline v8 zero8() { return v8{}; }
@@ -99,30 +73,11 @@ inline void nibbles(const uint8_t* p, v8 out[4]) {
   }
 }
 inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-inline v8 dot_q8(const int8_t* w, const int8_t* x) {
-  v8 out;
-  for (int l = 0; l < 8; ++l) {
-    int32_t s = 0;
-    for (int j = 4 * l; j < 4 * l + 4; ++j) s += int32_t{w[j]} * x[j];
-    out[l] = static_cast<float>(s);
-  }
-  return out;
-}
-inline v8 dot_q4(const uint8_t* w, const int8_t* x) {
-  v8 out;
-  for (int l = 0; l < 8; ++l) {
-    int32_t s = 0;
-    for (int j = 2 * l; j < 2 * l + 2; ++j) s += (w[j] & 0xF) * x[j] + (w[j] >> 4) * x[j + 16];
-    out[l] = static_cast<float>(s);
-  }
-  return out;
-}
 #endif
 
 // Formats: `group(n, g, w)` decodes weights [32g, 32g + 32) of row n into w[4]; `begin_row`
 // prepares what a row's groups share (fp32 scales of each group of 32, and int4's mins);
-// `dot(n, g, xq)` (quantized formats) is that group's integer dot with 32 int8 activations,
-// as 8 int32 lanes converted to fp32 (lanes sum to the dot).
+// the integer dots of the quantized formats are csrc/qgemv.cpp's.
 template <typename T>
 struct DenseW {
   const T* w;
@@ -148,22 +103,6 @@ struct Int8W {
     const v8 s = splat8(sc[g]);
     for (int i = 0; i < 4; ++i) out[i] = load8(p + 8 * i) * s;
   }
-  v8 dot(int64_t n, int64_t g, const int8_t* x) const { return dot_q8(q + n * k + g * kGroup, x); }
-  const void* at(int64_t n, int64_t g) const { return q + n * k + g * kGroup; }
-  // For row n against activations of scales d (per group of 32): comb[g] = the weight's scale
-  // times d[g]; returns what the integer dots leave out (nothing: symmetric).
-  float prepare(int64_t n, const float* d, const float*, float* comb) const {
-    const int64_t groups = k / kGroup;
-    const float* s = scales + n * scales_per_row;
-    int64_t g = 0;
-    if (scales_per_row == 1) {
-      for (const v8 sv = splat8(s[0]); g + 8 <= groups; g += 8) store8(comb + g, sv * load8(d + g));
-    } else if (groups_per_scale == 1) {
-      for (; g + 8 <= groups; g += 8) store8(comb + g, load8(s + g) * load8(d + g));
-    }
-    for (; g < groups; ++g) comb[g] = s[g / groups_per_scale] * d[g];
-    return 0.f;
-  }
 };
 
 struct Int4W {
@@ -182,28 +121,6 @@ struct Int4W {
     nibbles(q + n * (k / 2) + g * (kGroup / 2), out);
     const v8 s = splat8(sc[g]), m = splat8(mn[g]);
     for (int i = 0; i < 4; ++i) out[i] = fma8(out[i], s, m);
-  }
-  v8 dot(int64_t n, int64_t g, const int8_t* x) const {
-    return dot_q4(q + n * (k / 2) + g * (kGroup / 2), x);
-  }
-  const void* at(int64_t n, int64_t g) const { return q + n * (k / 2) + g * (kGroup / 2); }
-  // As Int8W's; returns the sum over groups of min * (the group's activations' sum), dsum.
-  float prepare(int64_t n, const float* d, const float* dsum, float* comb) const {
-    const int64_t groups = k / kGroup;
-    const at::Half* s = scales + n * groups;
-    const at::Half* m = mins + n * groups;
-    v8 acc = zero8();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      store8(comb + g, load8(s + g) * load8(d + g));
-      acc = fma8(load8(m + g), load8(dsum + g), acc);
-    }
-    float out = hsum8(acc);
-    for (; g < groups; ++g) {
-      comb[g] = static_cast<float>(s[g]) * d[g];
-      out += static_cast<float>(m[g]) * dsum[g];
-    }
-    return out;
   }
 };
 

@@ -64,7 +64,14 @@ _LDFLAGS = ("-fopenmp",)  # resolves to the libgomp that torch already loaded (s
 # The C++ sources (src/pagedllm/csrc/): one translation unit, the kernels after their shared
 # SIMD headers (each source includes what it needs; each is included once).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "gemv.cpp", "qgemv.cpp", "decoder.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "elementwise.cpp",
+    "gemv.cpp",
+    "qgemv_row.cpp",
+    "qgemv.cpp",
+    "decoder.cpp",
+)
 # the functions the extension exports (part of its name: a build never lacks one)
 _FUNCTIONS = (
     "paged_decode_attention",
