@@ -1,0 +1,72 @@
+"""The CPU kernels built for other x86 ISAs than this machine's: AVX2 without AVX-512 or VNNI
+(`-march=haswell`, an AMD EPYC's path: 8-lane vectors, maddubs / madd integer dots, one group
+per vector) and no AVX at all (`-march=x86-64-v2`: the portable vector-extension code), each
+against dequantize-then-matmul as tests/test_quantization.py states it. `-march=native` only
+ever compiles this machine's branch of each `#if`; these compile and run the others (a
+subset of this CPU's ISA, so they run here). About a minute per build."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import pytest
+import torch
+from test_quantization import _formats, _int8_activations
+
+from pagedllm.layers import quant
+from pagedllm.layers.attention import cpu_kernels
+
+# the flags each ISA needs of this CPU (/proc/cpuinfo names)
+ISAS = {"haswell": {"avx2", "fma", "f16c", "bmi2"}, "x86-64-v2": {"sse4_2", "popcnt"}}
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not cpu_kernels.kernel_available(),
+    reason="x86-64 with a C++ toolchain only",
+)
+
+
+def build(march: str) -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._CFLAGS]
+    return load_inline(
+        name=f"{cpu_kernels.extension_name()}_{march.replace('-', '_')}",
+        cpp_sources=cpu_kernels._source_text(),
+        functions=list(cpu_kernels._FUNCTIONS),
+        extra_cflags=flags,
+        extra_ldflags=list(cpu_kernels._LDFLAGS),
+        extra_include_paths=[str(cpu_kernels.CSRC)],
+    )
+
+
+def kernel_linear(module: Any, x: torch.Tensor, w: quant.Weight, bias: torch.Tensor) -> Any:
+    """The kernel's own answer (None would mean it declined and PyTorch answered)."""
+    if isinstance(w, torch.Tensor):
+        out = module.linear_dense(x, w, bias)
+    elif w.bits == 8:
+        out = module.linear_int8(x, w.qweight, w.scales, bias)
+    else:
+        out = module.linear_int4(x, w.qweight, w.scales, w.mins, bias)
+    assert out is not None
+    return out
+
+
+@pytest.mark.parametrize("march", sorted(ISAS))
+def test_linear_kernels_on_another_isa(march: str) -> None:
+    if not ISAS[march] <= cpu_kernels.cpu_flags():
+        pytest.skip(f"this CPU cannot run {march} code")
+    module = build(march)
+    for n, k in [(67, 64), (33, 96), (130, 1536)]:
+        for rows in (1, 2, 6):
+            torch.manual_seed(rows)
+            w, bias = torch.randn(n, k), torch.randn(n)
+            x = torch.randn(rows, k)
+            for name, weight in _formats(w, x.dtype).items():
+                quantized = isinstance(weight, quant.QuantizedWeight)
+                dense = weight.dequantize() if quantized else weight
+                xr = _int8_activations(x) if quantized else x
+                expected = xr.double() @ dense.double().T + bias.double()
+                out = kernel_linear(module, x, weight, bias)
+                err = (out.double() - expected).abs().max() / expected.abs().max()
+                assert err < 1e-5, (march, n, k, rows, name, err)
