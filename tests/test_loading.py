@@ -252,3 +252,35 @@ def test_sampling_params_validation() -> None:
         SamplingParams(temperature=0, max_tokens=0)
     with pytest.raises(ValueError, match="temperature must be non-negative"):
         SamplingParams(temperature=-1.0)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_cpu_weights_in_one_huge_page_mapping(
+    quantization: str | None, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model/arena.py: every weight the CPU forward reads (parameters, tied ones once, and
+    quantized tensors) lies in one mapping, each on a cache line; and the
+    outputs are those of the model as loaded (the tensors were moved, not changed)."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise(MADV_HUGEPAGE) here")
+    llm = LLM(str(checkpoints["llama"]), quantization=quantization)
+    model = llm.engine.runner.model
+    tensors = {p.data_ptr(): p for p in model.parameters() if p.numel()}
+    for q in model.quantized.values():
+        for t in (q.qweight, q.scales, q.mins):
+            if t is not None:
+                tensors[t.data_ptr()] = t
+    assert len(tensors) > 10 and (quantization is None) == (not model.quantized)
+    ptrs = sorted(tensors)
+    assert all(p % 64 == 0 for p in ptrs)
+    end = ptrs[-1] + tensors[ptrs[-1]].numel() * tensors[ptrs[-1]].element_size()
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert end - ptrs[0] < size + 64 * len(tensors)  # one region, nothing else in it
+    prompts = random_prompts(3, (5, 20), TINY["vocab_size"], seed=13)
+    from pagedllm.model import arena
+
+    moved = greedy(llm, prompts, 8)
+    monkeypatch.setattr(arena, "adopt", lambda model: 0)
+    assert greedy(LLM(str(checkpoints["llama"]), quantization=quantization), prompts, 8) == moved

@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.layers.quant import QuantizedWeight, quantize, quantize_int8
-from pagedllm.model import gguf
+from pagedllm.model import arena, gguf
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.rope import interleave_rows
 
@@ -134,6 +134,8 @@ def load_model(
         _interleave_rotary_rows(model, cfg)
     if quantization in ("int8", "int4"):
         _quantize(model, cfg, quantization)
+    if torch.device(device).type == "cpu":
+        arena.adopt(model)  # the weights on huge pages: streamed faster by decode
     model.finalize_weights()
     return model.eval()
 
