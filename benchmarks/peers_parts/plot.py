@@ -13,11 +13,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+# each panel: the first of its candidates that the run measured (a cut of the configs)
 PANELS = [
-    ("decode, batch 1, context 128 (tok/s)", lambda r: _dec(r, 1, 128)),
-    ("decode, batch 32, context 1k (tok/s)", lambda r: _dec(r, 32, 1024)),
-    ("prefill, 8 x 1k tokens (tok/s)", lambda r: _dec(r, 8, 1024, "prefill_tokens_per_s")),
-    ("48-request mix (output tok/s)", lambda r: r.get("mix", {}).get("output_tokens_per_s")),
+    [("decode, batch 1, context 128 (tok/s)", lambda r: _dec(r, 1, 128))],
+    [
+        ("decode, batch 32, context 1k (tok/s)", lambda r: _dec(r, 32, 1024)),
+        ("decode, batch 32, context 128 (tok/s)", lambda r: _dec(r, 32, 128)),
+    ],
+    [
+        ("prefill, 8 x 1k tokens (tok/s)", lambda r: _dec(r, 8, 1024, "prefill_tokens_per_s")),
+        ("decode, batch 8, context 128 (tok/s)", lambda r: _dec(r, 8, 128)),
+    ],
+    [("48-request mix (output tok/s)", lambda r: r.get("mix", {}).get("output_tokens_per_s"))],
 ]
 COLORS = {"pagedllm": "tab:blue", "llamacpp": "tab:orange", "hf": "tab:gray"}
 
@@ -29,6 +36,11 @@ def _dec(res, batch, ctx, key="tokens_per_s"):
     return None
 
 
+def _measured(rep, get) -> bool:
+    rows = [r for res in rep["results"].values() for r in res.values() if "decode" in r]
+    return any(get(r) is not None for r in rows)
+
+
 def main(src: str, dst: str) -> None:
     with open(src) as f:
         rep = json.load(f)
@@ -38,7 +50,8 @@ def main(src: str, dst: str) -> None:
     engines = list(rep["results"])
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     width = 0.8 / len(engines)
-    for ax, (title, get) in zip(axes.flat, PANELS, strict=True):
+    panels = [next((c for c in cands if _measured(rep, c[1])), cands[0]) for cands in PANELS]
+    for ax, (title, get) in zip(axes.flat, panels, strict=True):
         for i, engine in enumerate(engines):
             rows = rep["results"][engine]
             xs, ys = [], []
