@@ -3,11 +3,13 @@
 per vector) and no AVX at all (`-march=x86-64-v2`: the portable vector-extension code), each
 against dequantize-then-matmul as tests/test_quantization.py states it. `-march=native` only
 ever compiles this machine's branch of each `#if`; these compile and run the others (a
-subset of this CPU's ISA, so they run here). About a minute per build."""
+subset of this CPU's ISA, so they run here). About a minute per build, both at once (a build
+keeps one core busy)."""
 
 from __future__ import annotations
 
 import platform
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -40,6 +42,14 @@ def build(march: str) -> Any:
     )
 
 
+@pytest.fixture(scope="module")
+def builds() -> dict[str, Any]:
+    """The extension for each ISA this CPU can run, built side by side."""
+    runnable = [march for march, flags in ISAS.items() if flags <= cpu_kernels.cpu_flags()]
+    with ThreadPoolExecutor(len(runnable) or 1) as pool:
+        return dict(zip(runnable, pool.map(build, runnable), strict=True))
+
+
 def kernel_linear(module: Any, x: torch.Tensor, w: quant.Weight, bias: torch.Tensor) -> Any:
     """The kernel's own answer (None would mean it declined and PyTorch answered)."""
     if isinstance(w, torch.Tensor):
@@ -53,10 +63,10 @@ def kernel_linear(module: Any, x: torch.Tensor, w: quant.Weight, bias: torch.Ten
 
 
 @pytest.mark.parametrize("march", sorted(ISAS))
-def test_linear_kernels_on_another_isa(march: str) -> None:
-    if not ISAS[march] <= cpu_kernels.cpu_flags():
+def test_linear_kernels_on_another_isa(march: str, builds: dict[str, Any]) -> None:
+    if march not in builds:
         pytest.skip(f"this CPU cannot run {march} code")
-    module = build(march)
+    module = builds[march]
     for n, k in [(67, 64), (33, 96), (130, 1536)]:
         for rows in (1, 2, 6):
             torch.manual_seed(rows)
