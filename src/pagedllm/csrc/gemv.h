@@ -112,7 +112,12 @@ struct Int4W {
   int64_t k;
   void begin_row(int64_t n, float* sc, float* mn) const {
     const int64_t groups = k / kGroup;
-    for (int64_t g = 0; g < groups; ++g) {
+    int64_t g = 0;
+    for (; g + kLanes <= groups; g += kLanes) {
+      store(sc + g, load(scales + n * groups + g));
+      store(mn + g, load(mins + n * groups + g));
+    }
+    for (; g < groups; ++g) {
       sc[g] = static_cast<float>(scales[n * groups + g]);
       mn[g] = static_cast<float>(mins[n * groups + g]);
     }

@@ -187,9 +187,7 @@ struct Int8Rows {
   const void* at(int64_t n, int64_t v) const { return w.q + n * w.k + v * kBytesV; }
   void begin(int64_t n, float* sc) const {
     if (kPerChannel) return;
-    const float* s = w.scales + n * w.scales_per_row;
-    for (int64_t i = 0, g = 0; i < w.scales_per_row; ++i)
-      for (int64_t j = 0; j < w.groups_per_scale; ++j) sc[g++] = s[i];
+    w.begin_row(n, sc, nullptr);
     sc[w.k / kGroup] = 0.f;
   }
   W8 load(int64_t n, int64_t v, bool both, const float* sc, fv& sv) const {
@@ -209,16 +207,8 @@ struct Int4Rows {
   void begin(int64_t n, float* sc) const {
     const int64_t groups = w.k / kGroup;
     float* mn = sc + padded_groups(w.k);
+    w.begin_row(n, sc, mn);
     std::fill(mn + groups, mn + padded_groups(w.k), 0.f);
-    int64_t g = 0;
-    for (; g + kLanes <= groups; g += kLanes) {
-      store(sc + g, ::load(w.scales + n * groups + g));
-      store(mn + g, ::load(w.mins + n * groups + g));
-    }
-    for (; g < groups; ++g) {
-      sc[g] = static_cast<float>(w.scales[n * groups + g]);
-      mn[g] = static_cast<float>(w.mins[n * groups + g]);
-    }
     sc[groups] = 0.f;
   }
   State load(int64_t n, int64_t v, bool both, const float* sc, fv& sv) const {
