@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/gemv_bench.py [--rows 1,16,32,64,128,256] [--output FILE]
 
-For each format (fp32 / bf16 dense, int8 per channel, int4 groups of 32) and each number of
-activation rows, the time of `layers.quant.linear` over the model's four projection shapes
-plus lm_head (one decoder layer's worth of each, the head once: the mix of a decode step) on
+For each format (fp32 / bf16 dense, int8 per channel, int4 groups of 32, and those two packed
+sixteen rows at a time, as a CPU model holds them where the kernels take that: AVX-512 VNNI)
+and each number of activation rows, the time of `layers.quant.linear` over the model's four
+projection shapes plus lm_head (one decoder layer's worth of each, the head once: the mix of a decode step) on
 the C++ kernels ("kernel") and on the path past `KERNEL_MAX_ROWS` ("fallback": oneDNN, after
 decoding a quantized weight), next to PyTorch's own `F.linear` on the dense or dequantized
 weight ("torch"), as medians of interleaved runs; and the weight bytes the kernels read per
@@ -49,6 +50,8 @@ def weights(fmt: str, w: torch.Tensor) -> quant.Weight:
         "bf16": lambda: w.bfloat16(),
         "int8": lambda: quant.quantize_int8(w),
         "int4": lambda: quant.quantize_int4(w),
+        "int8 packed": lambda: quant.quantize_int8(w).pack(),
+        "int4 packed": lambda: quant.quantize_int4(w).pack(),
     }[fmt]()
 
 
@@ -79,7 +82,8 @@ def main() -> None:
     dense = [torch.randn(n, k) * 0.05 for n, k in SHAPES]
     results = []
     load_before = os.getloadavg()
-    for fmt in ("fp32", "bf16", "int8", "int4"):
+    packed = ("int8 packed", "int4 packed") if quant.packs_on_cpu() else ()
+    for fmt in ("fp32", "bf16", "int8", "int4", *packed):
         ws = [weights(fmt, w) for w in dense]
         act = torch.bfloat16 if fmt == "bf16" else torch.float32
         refs = [w.dequantize(act) if isinstance(w, quant.QuantizedWeight) else w for w in ws]

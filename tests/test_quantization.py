@@ -9,7 +9,7 @@ way (row-wise quantization commutes with our fusing and permuting of rows)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -94,14 +94,35 @@ def _formats(w: torch.Tensor, dtype: torch.dtype) -> dict[str, quant.Weight]:
     }
     if w.shape[1] % 64 == 0:  # two groups of 32 sharing a scale
         formats["int8/64"] = quant.quantize_int8(w, 64)
+    if w.shape[0] % quant.PACK_ROWS == 0:  # sixteen rows side by side (AVX-512 VNNI)
+        for name in [name for name in formats if name != "dense"]:
+            formats[f"{name} packed"] = cast(quant.QuantizedWeight, formats[name]).pack()
     return formats
+
+
+@pytest.mark.parametrize("name", ["int8/channel", "int8/32", "int8/64", "int4"])
+def test_packed_weights_hold_the_same_values(name: str) -> None:
+    """`pack` (the layout of csrc/qgemv_packed.cpp) and `unpack` are inverses; a packed
+    weight decodes, and looks up rows (a tied embedding), as the rows it came from."""
+    torch.manual_seed(0)
+    weight = cast(quant.QuantizedWeight, _formats(torch.randn(48, 128), torch.float32)[name])
+    packed = weight.pack()
+    assert packed.packed and not weight.packed and packed.shape == weight.shape == (48, 128)
+    assert packed.group_size == weight.group_size and packed.nbytes == weight.nbytes
+    back = packed.unpack()
+    assert torch.equal(back.qweight, weight.qweight) and torch.equal(back.scales, weight.scales)
+    assert weight.mins is None or torch.equal(cast(torch.Tensor, back.mins), weight.mins)
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+    ids = torch.tensor([0, 17, 47, 5, 5, 31])
+    assert torch.equal(packed.rows(ids, torch.float32), weight.rows(ids, torch.float32))
+    assert torch.equal(packed.narrow(0, 16, 20).dequantize(), weight.narrow(0, 16, 20).dequantize())
 
 
 @pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="no C++ toolchain")
 @pytest.mark.parametrize("path", ["kernels", "fallback"])
 @pytest.mark.parametrize("rows", [1, 3, 6, 17, 65, 129])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(67, 64), (33, 96), (5, 576), (130, 1536)])
+@pytest.mark.parametrize("shape", [(67, 64), (33, 96), (48, 96), (5, 576), (130, 1536)])
 def test_linear_matches_dequantize_then_matmul(
     rows: int,
     x_dtype: torch.dtype,
@@ -221,6 +242,9 @@ def test_quantized_engine_matches_hf_on_dequantized_weights(
         _assert_greedy_matches(model, prompts, [o.outputs[0].token_ids for o in outs], expected)
         hits.append(llm.engine.scheduler.kv.prefix_hits)
     assert hits[1] - hits[0] >= 16 * 6  # at least the shared block of the six
+    # where the kernels take packed weights, the loader packed every one (N: multiples of 16)
+    weights = llm.engine.runner.model.quantized.values()
+    assert weights and all(w.packed == quant.packs_on_cpu() for w in weights)
 
 
 def _write_gguf(path: Path, hf_dir: Path, qtype: str) -> None:

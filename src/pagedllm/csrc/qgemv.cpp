@@ -332,6 +332,7 @@ torch::Tensor run_qlinear(const F& f, const torch::Tensor& x, int64_t n,
 
 std::optional<torch::Tensor> linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
                                          std::optional<torch::Tensor> bias) {
+  if (q.dim() == 3) return packed_linear_int8(x, q, scales, bias);  // qgemv_packed.cpp
   const auto w = int8_weight(q, scales);
   if (!w || !gemv_input_ok(x, w->k)) return std::nullopt;
   if (w->scales_per_row == 1) return run_qlinear(Int8Rows<true>{*w}, x, q.size(0), bias, w->k);
@@ -340,6 +341,7 @@ std::optional<torch::Tensor> linear_int8(torch::Tensor x, torch::Tensor q, torch
 
 std::optional<torch::Tensor> linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
                                          torch::Tensor mins, std::optional<torch::Tensor> bias) {
+  if (q.dim() == 3) return packed_linear_int4(x, q, scales, mins, bias);
   const auto w = int4_weight(q, scales, mins);
   if (!w || !gemv_input_ok(x, w->k)) return std::nullopt;
   return run_qlinear(Int4Rows{*w}, x, q.size(0), bias, w->k / 2 + 4 * w->k / kGroup);

@@ -47,11 +47,12 @@ inline v8 group_dot(const uint8_t* w, const int8_t* x) {
 }
 #endif
 
-// x (k) fp32 rounded per group of 32: q (k), and per group d and d * sum(q).
+// x (k) fp32 rounded per group of 32: q (k), and per group d, sum(q) and d * sum(q).
 struct RoundedRow {
   std::vector<int8_t> q;
   std::vector<float> d, dsum;
-  RoundedRow(const float* x, int64_t k) : q(k), d(k / kGroup), dsum(k / kGroup) {
+  std::vector<int32_t> sum;
+  RoundedRow(const float* x, int64_t k) : q(k), d(k / kGroup), dsum(k / kGroup), sum(k / kGroup) {
     for (int64_t g = 0; g < k / kGroup; ++g) {
       const float* xg = x + g * kGroup;
       float amax = 0.f;
@@ -64,6 +65,7 @@ struct RoundedRow {
         sum += v;
       }
       d[g] = amax / 127.f;
+      this->sum[g] = sum;
       dsum[g] = d[g] * static_cast<float>(sum);
     }
   }

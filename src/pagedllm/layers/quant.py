@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from pagedllm.layers.attention import cpu_kernels
 
 INT4_GROUP = 32
+PACK_ROWS = 16  # rows of a packed weight side by side (`QuantizedWeight.pack`)
 ACTIVATION_GROUP = 32  # activations meet quantized weights as int8 in groups of this many
 
 
@@ -39,10 +40,17 @@ def _kernel_max_rows(flags: set[str]) -> dict[str, int | None]:
       no fast path there and is 4x slower at any size);
     - AVX-512 (Intel Xeon): oneDNN's fp32 GEMM passes the kernel past 16 rows, and with
       AVX-512 BF16 / AMX its bf16 matmul past 8 rows (3x at 32);
-    - quantized weights: up to 128 rows on both (the fallback decodes the weight per call)."""
+    - quantized weights: up to 128 rows on both (the fallback decodes the weight per call);
+      packed ones (AVX-512 VNNI) always: 4-5x faster than the fallback at 128 and 256 rows,
+      and 1.6x faster than oneDNN on the weight decoded beforehand."""
     avx512 = "avx512f" in flags
     bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
-    return {"fp32": 16 if avx512 else 64, "quantized": 128, "16-bit": 8 if bf16 else None}
+    return {
+        "fp32": 16 if avx512 else 64,
+        "quantized": 128,
+        "packed": None,
+        "16-bit": 8 if bf16 else None,
+    }
 
 
 KERNEL_MAX_ROWS = _kernel_max_rows(cpu_kernels.cpu_flags())
@@ -58,7 +66,15 @@ class QuantizedWeight:
     mins: torch.Tensor | None = None
 
     @property
+    def packed(self) -> bool:
+        """Sixteen rows side by side for the AVX-512 VNNI kernels (`pack`)."""
+        return self.qweight.dim() == 3
+
+    @property
     def shape(self) -> tuple[int, int]:
+        if self.packed:
+            blocks, chunks, _ = self.qweight.shape
+            return blocks * PACK_ROWS, chunks * (4 if self.bits == 8 else 8)
         n, packed = self.qweight.shape
         return n, packed * (8 // self.bits)
 
@@ -76,6 +92,8 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
+        if self.packed and torch.device(device).type != "cpu":
+            return self.unpack().to(device)
         mins = None if self.mins is None else self.mins.to(device)
         return replace(
             self, qweight=self.qweight.to(device), scales=self.scales.to(device), mins=mins
@@ -83,11 +101,52 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight in `dtype`, each value computed in fp32."""
-        return _decode(self.qweight, self.scales, self.mins, self.bits).to(dtype)
+        w = self.unpack()
+        return _decode(w.qweight, w.scales, w.mins, w.bits).to(dtype)
+
+    def pack(self) -> QuantizedWeight:
+        """This weight with each block of 16 rows side by side, as csrc/qgemv_packed.cpp reads
+        it (its layout is described there); N must be a multiple of 16."""
+        n, k = self.shape
+        b = n // PACK_ROWS
+        if self.packed or n % PACK_ROWS:
+            return self
+        if self.bits == 8:  # stored as w + 128 (unsigned): w ^ 0x80
+            q = self.qweight.view(b, PACK_ROWS, k // 4, 4).transpose(1, 2) ^ -128
+        else:
+            q = self.qweight.view(b, PACK_ROWS, k // INT4_GROUP, 4, 4).permute(0, 2, 3, 1, 4)
+
+        def side(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, PACK_ROWS, -1).transpose(1, 2).contiguous()
+
+        mins = None if self.mins is None else side(self.mins)
+        q = q.reshape(b, -1, 4 * PACK_ROWS).contiguous()
+        return replace(self, qweight=q, scales=side(self.scales), mins=mins)
+
+    def unpack(self) -> QuantizedWeight:
+        """This weight in rows (the inverse of `pack`)."""
+        if not self.packed:
+            return self
+        n, k = self.shape
+        b = n // PACK_ROWS
+        if self.bits == 8:
+            q = (self.qweight ^ -128).view(b, k // 4, PACK_ROWS, 4).transpose(1, 2)
+        else:
+            q = self.qweight.view(b, k // INT4_GROUP, 4, PACK_ROWS, 4).permute(0, 3, 1, 2, 4)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(n, -1).contiguous()
+
+        mins = None if self.mins is None else rows(self.mins)
+        return replace(
+            self, qweight=q.reshape(n, -1).contiguous(), scales=rows(self.scales), mins=mins
+        )
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Outputs (dim 0) or inputs (dim 1, whole groups only) `start` to `start + length`
         (a tensor-parallel shard), as copies."""
+        if self.packed:
+            return self.unpack().narrow(dim, start, length)
         mins = self.mins
         if dim == 0:
             rows = slice(start, start + length)
@@ -109,6 +168,14 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, decoded (an embedding lookup)."""
+        if self.packed:  # the blocks holding them, unpacked
+            blocks = ids.div(PACK_ROWS, rounding_mode="floor")
+            mins = None if self.mins is None else self.mins[blocks]
+            part = replace(
+                self, qweight=self.qweight[blocks], scales=self.scales[blocks], mins=mins
+            )
+            at = torch.arange(len(ids), device=ids.device) * PACK_ROWS + ids % PACK_ROWS
+            return part.unpack().rows(at, dtype)
         mins = None if self.mins is None else self.mins[ids]
         return _decode(self.qweight[ids], self.scales[ids], mins, self.bits).to(dtype)
 
@@ -187,6 +254,13 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return F.linear(round_activations(x), _dense(w, x.dtype, module), bias)
 
 
+def packs_on_cpu() -> bool:
+    """Whether the CPU kernels take packed weights (`QuantizedWeight.pack`): built with
+    AVX-512 VNNI. Elsewhere quantized weights stay in rows."""
+    module = cpu_kernels.kernel_module()
+    return module is not None and module.packed_rows() == PACK_ROWS
+
+
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """x rounded as the quantized kernels round it: to int8 in groups of 32 of its last dim,
     q = round(x * 127 / max |x|) (ties to even) times max |x| / 127, in fp32; back in x's
@@ -203,7 +277,7 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
 def kernel_rows(w: Weight) -> float:
     """Up to how many rows of x a CPU linear over `w` runs the C++ kernels."""
     if isinstance(w, QuantizedWeight):
-        limit = KERNEL_MAX_ROWS["quantized"]
+        limit = KERNEL_MAX_ROWS["packed" if w.packed else "quantized"]
     else:
         limit = KERNEL_MAX_ROWS["fp32" if w.dtype == torch.float32 else "16-bit"]
     return float("inf") if limit is None else limit

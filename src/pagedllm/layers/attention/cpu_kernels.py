@@ -69,6 +69,7 @@ _SOURCES = (
     "elementwise.cpp",
     "gemv.cpp",
     "qgemv_row.cpp",
+    "qgemv_packed.cpp",
     "qgemv.cpp",
     "decoder.cpp",
 )
@@ -85,6 +86,7 @@ _FUNCTIONS = (
     "linear_int4",
     "dequantize_int8",
     "dequantize_int4",
+    "packed_rows",
     "decode_layers",
 )
 
