@@ -7,6 +7,9 @@ Two formats, both with groups along the input dim (K) of a (N, K) weight:
   q in 0..15 (affine). Each group of 32 is packed as GGUF's Q4_1 (byte j: element j in the low
   nibble, element j + 16 in the high one), so a Q4_1 (or Q4_0: min = -8 * scale) tensor is
   this format as it is.
+Either can be packed (`QuantizedWeight.pack`: 3-D tensors, sixteen rows side by side) for the
+AVX-512 VNNI kernels of csrc/qgemv_packed.cpp; `load_model` packs a CPU model's weights where
+the extension takes them (`packs_on_cpu`), and those kernels then run at any number of rows.
 
 `linear(x, w, bias)` takes a dense tensor or a `QuantizedWeight`. On the CPU, up to
 `KERNEL_MAX_ROWS` rows of x (decode, small prefill chunks) go to the C++ kernels, which read
