@@ -12,8 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ConfigError, ModelConfig
-from pagedllm.layers import quant
-from pagedllm.layers.quant import QuantizedWeight, quantize, quantize_int8
+from pagedllm.layers.quant import QuantizedWeight, packs_on_cpu, quantize, quantize_int8
 from pagedllm.model import arena, gguf
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.rope import interleave_rows
@@ -136,7 +135,7 @@ def load_model(
     if quantization in ("int8", "int4"):
         _quantize(model, cfg, quantization)
     if torch.device(device).type == "cpu":
-        if model.quantized and quant.packs_on_cpu():  # for the AVX-512 VNNI kernels
+        if model.quantized and packs_on_cpu():  # for the AVX-512 VNNI kernels
             model.quantized.update((name, w.pack()) for name, w in model.quantized.items())
         arena.adopt(model)  # the weights on huge pages: streamed faster by decode
     model.finalize_weights()
