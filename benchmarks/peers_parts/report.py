@@ -1,4 +1,4 @@
-"""The results as a markdown table (docs/performance.md) and as a plot (docs/peers.png)."""
+"""The results as a markdown table (docs/peers.md) and as a plot (docs/peers.png)."""
 
 from __future__ import annotations
 
