@@ -5,8 +5,10 @@
 // formats decoded whole (for many rows of x, where a dense matmul wins). Formats: gemv.h.
 // Rows of W are spread over threads, each thread reading its rows front to back (one
 // sequential stream: interleaving several rows starves the hardware prefetcher). Each group of
-// W is converted to fp32 lanes in registers and multiplied with up to 8 rows of x at once. Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a multiple of 32 (callers fall
-// back to PyTorch otherwise).
+// W is converted to fp32 lanes in registers and multiplied with up to 8 rows of x at once;
+// on AVX-512, two or more rows of x go through 4 x 4 tiles (four rows of W against four of x,
+// FMA-bound rather than load-bound). Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a
+// multiple of 32 (callers fall back to PyTorch otherwise).
 
 namespace {
 
@@ -14,6 +16,10 @@ namespace {
 // and read front to back): the hardware prefetcher alone leaves bandwidth unused on rows of a
 // few KiB (Intel with AVX-512: lm_head 16 -> 21 GB/s in fp32, benchmarks/gemv_bench.py).
 constexpr int64_t kPrefetchBytes = 8192;
+
+// From how many rows of x gemm_small takes the 4 x 4 tiles (gemm_blocks): already at 2 they
+// pass gemv_rows a little, at 32 by 1.7x (benchmarks/gemv_bench.py, fp32 on AVX-512).
+constexpr int64_t kTileRows = 2;
 
 template <typename T>
 inline void prefetch_group(const T* p) {
@@ -103,11 +109,85 @@ void decode_row(const W& w, int64_t n, int64_t k, float* out, float* sc, float* 
   }
 }
 
-// y (m, n) fp32 = x (m, k) fp32 @ W^T for a dense W, rows of W spread over threads.
+#if defined(__AVX512F__)
+// [sum a, sum b, sum c, sum d] of four 16-lane vectors: halves, then quarters added across
+// the four, then within each 128-bit lane (14 instructions for four sums, not four reductions).
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v));
+}
+
+// Four rows of W (from w, k apart) against MX <= 4 rows of x: out[4r + c] = x_r . w_c. Each
+// 16-lane step loads 4 + MX vectors for 4 * MX FMAs (gemv_rows loads 1 + M for M): with
+// several rows of x the FMAs, not the loads, set the pace. Meanwhile it prefetches into L2
+// the next four rows' lines of every `period`-th step from `phase`: the passes of all rows
+// of x over one block share the next block's reads, so memory works while the FMAs do.
+template <int MX, typename T>
+void gemm_tile(const T* w, int64_t k, const float* x, float* out, int64_t phase,
+               int64_t period) {
+  __m512 acc[MX][4];
+  for (int r = 0; r < MX; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0, step = 0; i < k; i += 16, ++step) {
+    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = loadw(w + c * k + i);
+    if (step % period == phase)
+      for (int c = 0; c < 4; ++c) __builtin_prefetch(w + (c + 4) * k + i, 0, 2);
+    for (int r = 0; r < MX; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * k + i);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MX; ++r)
+    _mm_storeu_ps(out + 4 * r, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+// Rows [4 * b0, 4 * b1) of y (m, n): each block of four rows of W against the rows of x four
+// at a time (the block, 4 rows of K, stays in L1 while all of x passes it).
+template <typename T>
+void gemm_blocks(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n,
+                 int64_t b0, int64_t b1, float* y) {
+  float out[16];
+  const int64_t passes = (m + 3) / 4;
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* wb = w.w + 4 * b * k;
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, m - i0), pass = i0 / 4;
+      const float* xs = x + i0 * k;
+      switch (rows) {
+        case 1: gemm_tile<1>(wb, k, xs, out, pass, passes); break;
+        case 2: gemm_tile<2>(wb, k, xs, out, pass, passes); break;
+        case 3: gemm_tile<3>(wb, k, xs, out, pass, passes); break;
+        default: gemm_tile<4>(wb, k, xs, out, pass, passes);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 4; ++c) y[(i0 + r) * n + 4 * b + c] = out[4 * r + c];
+    }
+  }
+}
+#endif
+
+// y (m, n) fp32 = x (m, k) fp32 @ W^T for a dense W, rows of W spread over threads: one row
+// of x streams W a row at a time (bandwidth-bound); more go through gemm_blocks (AVX-512),
+// where the FMAs bound it.
 template <typename T>
 void gemm_small(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n, float* y) {
   // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (k * static_cast<int64_t>(sizeof(T))));
+#if defined(__AVX512F__)
+  if (m >= kTileRows && k % 16 == 0) {
+    const int64_t blocks = n / 4;
+    at::parallel_for(0, blocks, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
+      gemm_blocks(w, x, m, k, n, b0, b1, y);
+    });
+    if (n % 4) gemv_block(w, x, m, k, n, 4 * blocks, n, y);
+    return;
+  }
+#endif
   at::parallel_for(0, n, grain,
                    [&](int64_t r0, int64_t r1) { gemv_block(w, x, m, k, n, r0, r1, y); });
 }

@@ -41,15 +41,16 @@ def _kernel_max_rows(flags: set[str]) -> dict[str, int | None]:
     faster. Where depends on the CPU (benchmarks/gemv_bench.py, kernel vs fallback columns):
     - AVX2 only (AMD EPYC Zen 3): fp32 up to 64 rows; 16-bit always (oneDNN's bf16 matmul has
       no fast path there and is 4x slower at any size);
-    - AVX-512 (Intel Xeon): oneDNN's fp32 GEMM passes the kernel past 16 rows, and with
-      AVX-512 BF16 / AMX its bf16 matmul past 8 rows (3x at 32);
+    - AVX-512 (Intel Xeon): the kernel's 4 x 4 tiles keep up with PyTorch's fp32 GEMM to
+      about 48 rows (1.15x at 32, 0.94x at 64), and with AVX-512 BF16 / AMX oneDNN's bf16
+      matmul passes the kernel past 8 rows (2x at 32);
     - quantized weights: up to 128 rows on both (the fallback decodes the weight per call);
       packed ones (AVX-512 VNNI) always: 4-5x faster than the fallback at 128 and 256 rows,
       and 1.6x faster than oneDNN on the weight decoded beforehand."""
     avx512 = "avx512f" in flags
     bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
     return {
-        "fp32": 16 if avx512 else 64,
+        "fp32": 48 if avx512 else 64,
         "quantized": 128,
         "packed": None,
         "16-bit": 8 if bf16 else None,
