@@ -181,15 +181,15 @@ void gemm_small(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_
 #if defined(__AVX512F__)
   if (m >= kTileRows && k % 16 == 0) {
     const int64_t blocks = n / 4;
-    at::parallel_for(0, blocks, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
+    parallel_chunks(0, blocks, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
       gemm_blocks(w, x, m, k, n, b0, b1, y);
     });
     if (n % 4) gemv_block(w, x, m, k, n, 4 * blocks, n, y);
     return;
   }
 #endif
-  at::parallel_for(0, n, grain,
-                   [&](int64_t r0, int64_t r1) { gemv_block(w, x, m, k, n, r0, r1, y); });
+  parallel_for_rows(m, 0, n, grain,
+                    [&](int64_t r0, int64_t r1) { gemv_block(w, x, m, k, n, r0, r1, y); });
 }
 
 // gemm_small on x (any float dtype): y in x's dtype, plus the bias.

@@ -295,7 +295,7 @@ void qgemm(const F& f, const QuantizedRows& x, int64_t m, int64_t k, int64_t n, 
   // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
   const int64_t grain = std::max<int64_t>(2, (64 << 10) / bytes_per_row);
   const int64_t stride = 2 * padded_groups(k);  // a row's scales and mins
-  at::parallel_for(0, (n + 1) / 2, grain / 2, [&](int64_t p0, int64_t p1) {
+  parallel_chunks(0, (n + 1) / 2, grain / 2, [&](int64_t p0, int64_t p1) {
     std::vector<float> sc(2 * stride);
     float out[2 * kRowsX];
     for (int64_t r = 2 * p0; r < std::min(n, 2 * p1); r += 2) {

@@ -130,7 +130,7 @@ torch::Tensor packed_linear(const W& w, const torch::Tensor& x, int64_t n,
     for (int64_t i = 0; i < m; ++i) rows.emplace_back(xf + i * k, k);
     // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / bytes_per_block);
-    at::parallel_for(0, n / kPackRows, grain, [&](int64_t b0, int64_t b1) {
+    parallel_for_rows(m, 0, n / kPackRows, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t i0 = 0; i0 < m; i0 += kPackX) {
           float* out[kPackX];

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,36 @@
 #endif
 
 namespace {
+
+// at::parallel_for(begin, end, grain, fn) with the work handed out in chunks (at least `grain`,
+// about eight per thread) to whichever thread is free, not split in equal halves up front: a
+// thread that the OS takes away for a while (another process waking on a 2-core host, a
+// slower memory channel) leaves its chunks to the others instead of keeping them waiting.
+template <typename F>
+void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  const int64_t n = end - begin, threads = at::get_num_threads();
+  if (n <= 0) return;
+  const int64_t chunk = std::max<int64_t>({grain, 1, (n + threads * 8 - 1) / (threads * 8)});
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks == 1 || threads == 1 || at::in_parallel_region()) return fn(begin, end);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+        fn(begin + c * chunk, std::min(end, begin + (c + 1) * chunk));
+  });
+}
+
+// For a linear layer over `rows` rows of x: parallel_chunks where several rows make it
+// compute-bound; one row streams the weights at the bandwidth bound, where each thread's one
+// long sequential read (at::parallel_for's equal split) is worth more than the balance.
+template <typename F>
+void parallel_for_rows(int64_t rows, int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  if (rows > 1)
+    parallel_chunks(begin, end, grain, fn);
+  else
+    at::parallel_for(begin, end, grain, fn);
+}
 
 // GCC/Clang vector extensions: one register of fp32 lanes (16 with AVX-512, else 8: a wider
 // vector than the registers goes through the stack), lowered to whatever SIMD the CPU has
