@@ -206,7 +206,7 @@ void attend(const Args<scalar_t>& a, const Pass& p, const Pass* next, Scratch& s
 template <typename scalar_t, int64_t NV>
 void run(const Args<scalar_t>& a, int64_t num_reqs) {
   const int64_t max_heads = std::min(kMaxRows, kScratchVecs / a.nv) / a.group;
-  parallel_chunks(0, num_reqs * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_rows(num_reqs, 0, num_reqs * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch s;  // on the thread's stack
     const auto pass_at = [&](int64_t task) {
       const int64_t b = task / a.kv_heads, h0 = task % a.kv_heads;

@@ -39,9 +39,10 @@ void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   });
 }
 
-// For a linear layer over `rows` rows of x: parallel_chunks where several rows make it
-// compute-bound; one row streams the weights at the bandwidth bound, where each thread's one
-// long sequential read (at::parallel_for's equal split) is worth more than the balance.
+// For work over `rows` rows of x (a linear layer's, attention's requests): parallel_chunks
+// where several rows make it compute-bound; one row streams the weights (the KV) at the
+// bandwidth bound, where each thread's one long sequential read (at::parallel_for's equal
+// split) is worth more than the balance.
 template <typename F>
 void parallel_for_rows(int64_t rows, int64_t begin, int64_t end, int64_t grain, const F& fn) {
   if (rows > 1)
