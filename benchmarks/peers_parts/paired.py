@@ -2,7 +2,8 @@
 bandwidth, then llama-batched-bench, then our engine, each in a fresh process, so that this
 machine's drift (tens of % from minute to minute on a shared 2-vCPU host) hits both engines
 and the bandwidth alike. The ratio of each round's pair, and their median, is the comparison
-the targets are read from; the parts' own batch-1 rows are single sequential samples."""
+the targets are read from; the parts' own batch-1 rows are single sequential samples. The
+mix against HF static batching likewise (`mix_rounds`): ours, then HF, in turn."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from peers_parts import common, install, llamacpp, ours
+from peers_parts import common, hf, install, llamacpp, ours
 from peers_parts.common import Budget
 
 
@@ -80,6 +81,42 @@ def run(
     return out
 
 
+def ours_mix(model: str, precision: str, budget: Budget) -> float:
+    import torch
+
+    torch.set_num_threads(common.THREADS)
+    return float(ours.mix(model, precision, budget)["output_tokens_per_s"])
+
+
+def hf_mix(model: str, precision: str, budget: Budget) -> float:
+    import torch
+
+    torch.set_num_threads(common.THREADS)
+    torch.manual_seed(0)
+    return float(hf.mix(hf.load(model, precision), budget)["output_tokens_per_s"])
+
+
+def mix_rounds(
+    isolated: Any, model: str, precisions: list[str], budget: Budget, rounds: int
+) -> dict[str, Any]:
+    """{precision: {"rounds": [...], "ratio_median"}}: the mix's tok/s, ours then HF static,
+    in alternating rounds (HF runs fp32 and bf16)."""
+    out: dict[str, Any] = {}
+    for precision in (p for p in precisions if p in hf.DTYPES):
+        rows = []
+        for _ in range(rounds):
+            row: dict[str, Any] = {"loadavg_before": common.loadavg()}
+            row["pagedllm"] = round(isolated(ours_mix, model, precision, budget), 1)
+            row["hf"] = round(isolated(hf_mix, model, precision, budget), 1)
+            row["ratio"] = round(row["pagedllm"] / row["hf"], 3)
+            rows.append(row)
+        out[precision] = {
+            "rounds": rows,
+            "ratio_median": round(statistics.median(r["ratio"] for r in rows), 3),
+        }
+    return out
+
+
 def markdown(paired: dict[str, Any]) -> str:
     head = (
         "| precision | rounds | ours ÷ llama.cpp, each round | median "
@@ -90,6 +127,22 @@ def markdown(paired: dict[str, Any]) -> str:
         + ", ".join(f"{x['ratio']:g}" for x in r["rounds"])
         + f" | {r['ratio_median']:g} | {r['pagedllm_fraction_median']:g} "
         f"| {r['llamacpp_fraction_median']:g} |"
+        for p, r in paired.items()
+    ]
+    return "\n".join([head, *rows])
+
+
+def mix_markdown(paired: dict[str, Any]) -> str:
+    head = (
+        "| precision | ours tok/s, each round | HF static tok/s | ours ÷ HF, each round | median |"
+        "\n|---|---|---|---|---:|"
+    )
+    rows = [
+        f"| {p} | "
+        + " | ".join(
+            ", ".join(f"{x[k]:g}" for x in r["rounds"]) for k in ("pagedllm", "hf", "ratio")
+        )
+        + f" | {r['ratio_median']:g} |"
         for p, r in paired.items()
     ]
     return "\n".join([head, *rows])
