@@ -268,3 +268,23 @@ def test_the_kernel_sources_ship_in_the_wheel() -> None:
     files = [str(p.relative_to(package)) for p in cpu_kernels.CSRC.iterdir() if p.is_file()]
     assert {"csrc/vec.h", *(f"csrc/{name}" for name in cpu_kernels._SOURCES)} <= set(files)
     assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), (files, globs)
+
+
+@pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="no C++ toolchain")
+def test_argmax_kernel_is_torch_argmax() -> None:
+    """The greedy sampler's CPU argmax (one row per request, a vocabulary wide): the first
+    maximum, ties and -inf rows included, a NaN counting as the maximum, as torch.argmax; rows
+    shorter than a vector, and with a tail past the last full one."""
+    module = cpu_kernels.kernel_module()
+    torch.manual_seed(0)
+    for rows, cols in [(1, 49152), (32, 49152), (3, 7), (5, 16), (2, 33), (4, 100)]:
+        x = torch.randn(rows, cols)
+        assert torch.equal(module.argmax_rows(x), x.argmax(-1)), (rows, cols)
+    x = torch.zeros(4, 50)
+    x[0, 7] = x[0, 40] = 1.0  # a tie: the first
+    x[1] = -float("inf")  # all -inf: index 0
+    x[2, 49] = 2.0  # in the tail past the last full vector
+    x[3, [5, 45]] = float("nan")  # the first NaN
+    assert module.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [7, 0, 49, 5]
+    # what it does not take: the sampler falls back to torch
+    assert module.argmax_rows(x.bfloat16()) is None and module.argmax_rows(x.t()) is None

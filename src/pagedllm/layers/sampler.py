@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from pagedllm.core.scheduler import TokenLogprobs
+from pagedllm.layers.attention import cpu_kernels
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -206,7 +208,13 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` (first maximum) in two levels, as `topk_rows`."""
+    """`x.argmax(dim=-1)` (first maximum; a NaN counts as the maximum): the CPU kernel for fp32
+    rows, else in two levels, as `topk_rows`."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        module = cpu_kernels.kernel_module()
+        out = None if module is None else module.argmax_rows(x.contiguous())
+        if out is not None:
+            return cast(torch.Tensor, out)
     rows, vocab = x.shape
     blk = _block_size(vocab, 1)
     if blk is None:

@@ -79,6 +79,7 @@ _FUNCTIONS = (
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "argmax_rows",
     "rotary_embedding",
     "write_kv",
     "linear_dense",
