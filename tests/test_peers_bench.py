@@ -31,21 +31,18 @@ def test_peers_quick_pagedllm_only(checkpoints: dict[str, Path], tmp_path: Path)
 
 
 def test_peers_paired_mix_rounds(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    """--paired-only: no parts, only the mix of ours and HF static in alternating rounds, each
-    round's tok/s and their ratio, and the table printed."""
+    """--paired-only: no parts, only the mix of ours and HF static in alternating rounds (one
+    here), each round's tok/s and their ratio, and the table printed."""
     out = tmp_path / "paired.json"
     cmd = [sys.executable, str(BENCH), "--quick", "--engines", "pagedllm,hf", "--precisions"]
     cmd += ["fp32", "--model", str(checkpoints["llama"]), "--out", str(out), "--no-plot"]
-    cmd += ["--paired-only", "--paired-rounds", "2"]
+    cmd += ["--paired-only", "--paired-rounds", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["results"] == {"pagedllm": {}, "hf": {}} and "paired_batch1" not in rep
     mix = rep["paired_mix"]["fp32"]
-    assert len(mix["rounds"]) == 2
-    for r in mix["rounds"]:
-        assert r["pagedllm"] > 0 and r["hf"] > 0
-        assert abs(r["ratio"] - r["pagedllm"] / r["hf"]) < 2e-3
-    ratios = sorted(r["ratio"] for r in mix["rounds"])
-    assert abs(mix["ratio_median"] - sum(ratios) / 2) < 2e-3
+    [r] = mix["rounds"]
+    assert r["pagedllm"] > 0 and r["hf"] > 0
+    assert abs(r["ratio"] - r["pagedllm"] / r["hf"]) < 2e-3 and mix["ratio_median"] == r["ratio"]
     assert "| fp32 |" in done.stdout
