@@ -117,16 +117,19 @@ def mix_rounds(
     return out
 
 
+def _each(r: dict[str, Any], key: str) -> str:
+    """One figure of every round, comma-separated."""
+    return ", ".join(f"{x[key]:g}" for x in r["rounds"])
+
+
 def markdown(paired: dict[str, Any]) -> str:
     head = (
         "| precision | rounds | ours ÷ llama.cpp, each round | median "
         "| ours, fraction of bandwidth | llama.cpp, fraction |\n|---|---:|---|---:|---:|---:|"
     )
     rows = [
-        f"| {p} | {len(r['rounds'])} | "
-        + ", ".join(f"{x['ratio']:g}" for x in r["rounds"])
-        + f" | {r['ratio_median']:g} | {r['pagedllm_fraction_median']:g} "
-        f"| {r['llamacpp_fraction_median']:g} |"
+        f"| {p} | {len(r['rounds'])} | {_each(r, 'ratio')} | {r['ratio_median']:g} "
+        f"| {r['pagedllm_fraction_median']:g} | {r['llamacpp_fraction_median']:g} |"
         for p, r in paired.items()
     ]
     return "\n".join([head, *rows])
@@ -138,11 +141,8 @@ def mix_markdown(paired: dict[str, Any]) -> str:
         "\n|---|---|---|---|---:|"
     )
     rows = [
-        f"| {p} | "
-        + " | ".join(
-            ", ".join(f"{x[k]:g}" for x in r["rounds"]) for k in ("pagedllm", "hf", "ratio")
-        )
-        + f" | {r['ratio_median']:g} |"
+        f"| {p} | {_each(r, 'pagedllm')} | {_each(r, 'hf')} | {_each(r, 'ratio')} "
+        f"| {r['ratio_median']:g} |"
         for p, r in paired.items()
     ]
     return "\n".join([head, *rows])
