@@ -19,10 +19,11 @@ levels) nor the offline engine's gets hits; the offline run reports its hit coun
 One short request warms the server up before each level; one short generate warms each
 offline engine up.
 
-The client is kept light, since it shares the CPU with the server: all requests go over one
-gRPC stream (Triton serves the requests of a stream concurrently; the report's
-`max_streaming` shows it), input tensors are built before the clock starts, and the response
-callback only records the arrival time and keeps the response; decoding happens afterwards.
+All requests of a level go over one gRPC stream (Triton serves the requests of a stream
+concurrently; the report's `max_streaming` shows it), sent by a light asyncio client
+(`client/served.py`). `--stream-interval K` starts the server with `stream_interval` K (one
+response per K tokens, the first at once; docs/serving.md); with --url the server's own
+setting holds.
 """
 
 from __future__ import annotations
@@ -37,27 +38,13 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-
-from client.stream import (
-    DEFAULT_MODEL,
-    ClientError,
-    GenerationParams,
-    connect,
-    error_message,
-    is_final,
-    make_inputs,
-    stream_generate,
-    to_delta,
-)
+from client.served import log, run_served
+from client.stream import DEFAULT_MODEL, ClientError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = (  # noqa: SIM905
@@ -81,7 +68,8 @@ DEFINITIONS = {
     "ttft_ms": "per request: request sent -> first response carrying text; p50/p90 over the "
     "N requests",
     "itl_ms": "inter-token latency: gaps between consecutive responses carrying text of one "
-    "request (one response per engine step, i.e. per token); p50/p90 over all gaps",
+    "request (one response per engine step, i.e. per token; per stream_interval tokens when "
+    "that is > 1); p50/p90 over all gaps",
     "tpot_ms": "per request: (last text response - first text response) / (tokens - 1); p50",
     "per_token_overhead_ms": "(1/served_tokens_per_s - 1/offline_tokens_per_s) * c * 1000. With "
     "c requests decoding together each engine step yields c tokens, so c/tokens_per_s is the "
@@ -90,10 +78,6 @@ DEFINITIONS = {
     "max_streaming": "the largest number of requests that had received their first response "
     "but not their final one at the same moment (c when the server interleaves them)",
 }
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 # --- workload ---------------------------------------------------------------------------------
@@ -110,173 +94,6 @@ def make_prompts(tokenizer: Any, n: int, prompt_len: int, seed: int) -> list[str
             words.append(rng.choice(WORDS))
         prompts.append(" ".join(words))
     return prompts
-
-
-def percentiles(values: Sequence[float], *qs: int) -> dict[str, float | None]:
-    if not values:
-        return {f"p{q}": None for q in qs}
-    return {f"p{q}": round(float(np.percentile(values, q)), 2) for q in qs}
-
-
-# --- served -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Trace:
-    """One request as the client saw it."""
-
-    sent: float = 0.0
-    done: float = 0.0
-    times: list[float] = field(default_factory=list)  # arrival of each response with data
-    results: list[Any] = field(default_factory=list)  # those responses, decoded after the run
-
-
-class StreamRunner:
-    """Sends prepared requests over one gRPC stream with at most `concurrency` in flight.
-    The callback (the stream's response thread) does as little as possible: a clock read,
-    two appends, and on the final response a semaphore release."""
-
-    def __init__(self, client: grpcclient.InferenceServerClient, model: str) -> None:
-        self.client = client
-        self.model = model
-        self.traces: list[Trace] = []
-        self.error: str | None = None
-        self.remaining = 0
-        self.all_done = threading.Event()
-        self.slots = threading.Semaphore(0)
-
-    def _on_response(self, result: Any, error: Any) -> None:
-        now = time.perf_counter()
-        if error is not None:
-            self.error = error_message(error)
-            self.all_done.set()
-            self.slots.release()
-            return
-        response = result.get_response()
-        trace = self.traces[int(response.id)]
-        if len(response.outputs):
-            trace.times.append(now)
-            trace.results.append(result)
-        if is_final(result):
-            trace.done = now
-            self.remaining -= 1  # only this thread writes it
-            self.slots.release()
-            if self.remaining == 0:
-                self.all_done.set()
-
-    def run(self, requests: list[list[Any]], concurrency: int, timeout: float) -> list[Trace]:
-        """Send `requests` (lists of input tensors); return their traces when all are done.
-        Raises ClientError on the first error or after `timeout` seconds."""
-        self.traces = [Trace() for _ in requests]
-        self.remaining = len(requests)
-        self.error = None
-        self.all_done.clear()
-        self.slots = threading.Semaphore(concurrency)
-        deadline = time.monotonic() + timeout
-        self.client.start_stream(callback=self._on_response)
-        ok = False
-        try:
-            for i, inputs in enumerate(requests):
-                while not self.slots.acquire(timeout=1.0):
-                    self._check(deadline)
-                self._check(deadline)
-                self.traces[i].sent = time.perf_counter()
-                self.client.async_stream_infer(
-                    self.model, inputs, request_id=str(i), enable_empty_final_response=True
-                )
-            while not self.all_done.wait(timeout=1.0):
-                self._check(deadline)
-            self._check(deadline)
-            ok = True
-        finally:
-            self.client.stop_stream(cancel_requests=not ok)
-        return self.traces
-
-    def _check(self, deadline: float) -> None:
-        if self.error is not None:
-            raise ClientError(self.error)
-        if time.monotonic() > deadline:
-            raise ClientError(f"timed out with {self.remaining} requests unfinished")
-
-
-def summarize_served(traces: list[Trace], max_tokens: int) -> tuple[dict[str, Any], list[str]]:
-    """Figures of one level and the served texts (decoded now, off the clock)."""
-    start, end = min(t.sent for t in traces), max(t.done for t in traces)
-    texts: list[str] = []
-    counts, num_input = [], []
-    ttft: list[float] = []
-    itl: list[float] = []
-    tpot: list[float] = []
-    complete = 0
-    for t in traces:
-        deltas = [to_delta(r) for r in t.results]
-        indices = [int(r.as_numpy("index").reshape(-1)[0]) for r in t.results]
-        last = deltas[-1] if deltas else None
-        n = last.num_output_tokens if last else 0
-        reasons = [d.finish_reason for d in deltas if d.finish_reason]
-        texts.append("".join(d.text for d in deltas))
-        counts.append(n)
-        num_input.append(last.num_input_tokens if last else 0)
-        if n == max_tokens and reasons == ["length"] and indices == list(range(len(deltas))):
-            complete += 1
-        if t.times:
-            ttft.append((t.times[0] - t.sent) * 1e3)
-            itl.extend(float(d) * 1e3 for d in np.diff(t.times))
-            if n > 1:
-                tpot.append((t.times[-1] - t.times[0]) / (n - 1) * 1e3)
-    seconds = end - start
-    output_tokens = sum(counts)
-    return {
-        "num_requests": len(traces),
-        "seconds": round(seconds, 3),
-        "output_tokens": output_tokens,
-        "tokens_per_s": round(output_tokens / seconds, 2),
-        "requests_complete": complete,
-        "mean_prompt_tokens": round(float(np.mean(num_input)), 1),
-        "responses_per_request": round(sum(len(t.results) for t in traces) / len(traces), 2),
-        "ttft_ms": percentiles(ttft, 50, 90),
-        "itl_ms": percentiles(itl, 50, 90),
-        "tpot_ms": percentiles(tpot, 50),
-        "max_streaming": max_streaming(traces),
-    }, texts
-
-
-def max_streaming(traces: list[Trace]) -> int:
-    events = sorted(
-        [(t.times[0], 1) for t in traces if t.times] + [(t.done, -1) for t in traces if t.times]
-    )
-    peak = cur = 0
-    for _, step in events:
-        cur += step
-        peak = max(peak, cur)
-    return peak
-
-
-def run_served(
-    url: str,
-    model: str,
-    levels: list[tuple[int, list[str]]],
-    warmups: list[str],
-    max_tokens: int,
-    timeout: float,
-) -> list[tuple[dict[str, Any], list[str]]]:
-    params = GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    warm_params = GenerationParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    client = connect(url)
-    out = []
-    try:
-        runner = StreamRunner(client, model)
-        for (c, prompts), warm in zip(levels, warmups, strict=True):
-            for _ in stream_generate(client, warm, warm_params, model=model, timeout=timeout):
-                pass
-            requests = [make_inputs(p, params) for p in prompts]
-            log(f"served: concurrency {c}, {len(prompts)} requests")
-            summary, texts = summarize_served(runner.run(requests, c, timeout), max_tokens)
-            log(f"served: concurrency {c}: {summary['tokens_per_s']} tok/s")
-            out.append((summary, texts))
-    finally:
-        client.close()
-    return out
 
 
 # --- offline ----------------------------------------------------------------------------------
@@ -382,7 +199,8 @@ def server_url(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     from pagedllm.serving.launcher import make_server
 
     work = Path(args.work_dir) if args.work_dir else None
-    server = make_server(args.model_dir, dtype=args.dtype, work_dir=work)
+    env = {"PAGEDLLM_STREAM_INTERVAL": str(args.stream_interval)} if args.stream_interval else None
+    server = make_server(args.model_dir, dtype=args.dtype, work_dir=work, env=env)
     log(f"starting tritonserver (log: {server.log_path}) ...")
     with server:
         assert server.process is not None
@@ -422,6 +240,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="threads of the engines (OMP_NUM_THREADS of a server started here, "
         "torch.set_num_threads offline; default: torch's, one per core)",
     )
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        help="a server started here sends one response per this many tokens (default: its "
+        "config's, 1)",
+    )
     ap.add_argument("--no-offline", action="store_true", help="skip the offline engine")
     ap.add_argument("--rounds", type=int, default=1, help="repeat each level; median ratio")
     ap.add_argument("--work-dir", help="server logs and backend dir (default ~/.cache/pagedllm)")
@@ -430,6 +254,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if min(args.concurrency) < 1 or (args.num_requests is not None and args.num_requests < 1):
         ap.error("--concurrency and --num-requests must be positive")
+    if args.stream_interval is not None and (args.stream_interval < 1 or args.url):
+        ap.error("--stream-interval must be positive, and sets a server started here")
     return args
 
 
@@ -483,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "url": url,
             "started_by_benchmark": pgid is not None,
             "paused_during_offline": pgid is not None,
+            "stream_interval": args.stream_interval or (None if args.url else 1),
         },
         "workload": {
             "max_tokens": args.max_tokens,

@@ -124,3 +124,6 @@ def test_benchmark_tiny(server: TritonServer, checkpoints: dict[str, Path], tmp_
         assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"]
         assert r["itl_ms"]["p50"] > 0
         assert 0 <= r["served_texts_equal_offline"] <= 4
+    assert report["server"]["stream_interval"] is None  # --url: the server's own setting
+    code, _, err = run("client.benchmark", "--url", server.grpc_url, "--stream-interval", "2")
+    assert code == 2 and "sets a server started here" in err

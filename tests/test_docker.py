@@ -327,6 +327,7 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: Yaml) -> None:
     environ = {name: compose_default(value) for name, value in service["environment"].items()}
     params = {"model_dir": "/ignored", "dtype": "bfloat16", "max_num_seqs": "7"}
     params.update(max_model_len="96", kv_cache_memory_gib="0.5", enable_prefix_caching="false")
+    params.update(stream_interval="3")
     _, created = run_engine_config(environ, params)
     created.pop("device", None)  # not empty in compose: test_compose_runs_the_engine_on_...
     assert created == {
@@ -340,6 +341,7 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: Yaml) -> None:
         "gpu_memory_utilization": 0.9,
         "enforce_eager": False,
         "tensor_parallel_size": 1,
+        "stream_interval": 3,
     }
 
 

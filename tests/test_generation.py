@@ -9,6 +9,7 @@ import pytest
 
 from conftest import TINY, random_prompts
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import ConfigError, EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -121,3 +122,42 @@ def test_detokenize_false_gives_the_same_ids_and_no_text(
     assert all(lp.decoded_token is None for d in logprobs_raw for lp in d.values())
     with pytest.raises(ValueError, match="stop strings need detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def _deltas(engine: LLMEngine, params: SamplingParams) -> list:
+    engine.add_request("s", "Once upon a time", params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+@pytest.mark.parametrize("interval", [2, 3, 16])
+def test_stream_interval_sends_fewer_larger_deltas(
+    checkpoints: dict[str, Path], interval: int
+) -> None:
+    """EngineConfig.stream_interval: a DELTA output per `interval` new tokens of a sample,
+    its first token at once and its end flushed; together the outputs carry exactly what the
+    token-by-token outputs do (ids, text, log-probs), for each of n samples."""
+    base = dict(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, logprobs=2)
+    params = SamplingParams(**base, n=2, output_kind=RequestOutputKind.DELTA)
+    each = LLMEngine(EngineConfig.create(checkpoints["llama"], dtype="float32"))
+    coalesced = LLMEngine(
+        EngineConfig.create(checkpoints["llama"], dtype="float32", stream_interval=interval)
+    )
+    ref, outs = _deltas(each, params), _deltas(coalesced, params)
+    assert len(ref) == 10 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    for index in (0, 1):
+        want = [c for o in ref for c in o.outputs if c.index == index]
+        got = [c for o in outs for c in o.outputs if c.index == index]
+        sizes = [len(c.token_ids) for c in got]
+        rest = 9 % interval
+        assert sizes == [1] + [interval] * (9 // interval) + ([rest] if rest else [])
+        for field in ("token_ids", "logprobs"):
+            assert [x for c in got for x in getattr(c, field)] == [
+                x for c in want for x in getattr(c, field)
+            ]
+        assert "".join(c.text for c in got) == "".join(c.text for c in want)
+        assert got[-1].finish_reason == "length"
+    with pytest.raises(ConfigError, match="stream_interval must be >= 1"):
+        EngineConfig.create(checkpoints["llama"], stream_interval=0)

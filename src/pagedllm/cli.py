@@ -95,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         help="split the model over this many ranks (GPUs, or processes on the CPU); sets "
         "PAGEDLLM_TENSOR_PARALLEL_SIZE",
     )
+    s.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="streamed requests: one response per this many tokens (the first at once); sets "
+        "PAGEDLLM_STREAM_INTERVAL (default: llm_engine's config, 1)",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -137,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {"PAGEDLLM_DEVICE": args.device}
         if args.tensor_parallel_size is not None:  # else config.pbtxt's
             env["PAGEDLLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
+        if args.stream_interval is not None:
+            if args.stream_interval < 1:
+                ap.error("--stream-interval must be >= 1")
+            env["PAGEDLLM_STREAM_INTERVAL"] = str(args.stream_interval)
         if args.trace_file:
             env["PAGEDLLM_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         log_file = Path(args.log_file) if args.log_file else None

@@ -226,8 +226,13 @@ class EngineConfig:
     # ranks the model is split over (worker.tp_worker): the first on `device`, the others on
     # the next GPUs (or all on the CPU)
     tensor_parallel_size: int = 1
+    # streamed (DELTA) outputs: one per this many new tokens of a sample, besides its first
+    # and its last (vLLM's stream_interval): fewer, larger responses for less per-response work
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not RESOLVED.fullmatch(self.device):  # never "auto" downstream
@@ -257,6 +262,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
+        stream_interval: int = 1,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
@@ -305,6 +311,7 @@ class EngineConfig:
             enforce_eager=enforce_eager,
             quantization=quantization,
             tensor_parallel_size=tensor_parallel_size,
+            stream_interval=stream_interval,
         )
 
 

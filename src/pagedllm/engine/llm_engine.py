@@ -73,7 +73,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.scheduler = Scheduler(config.scheduler, config.cache)
         self.runner = ModelRunner(config)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.metrics = EngineMetrics() if metrics else None
         self.tracer = Tracer(trace_file) if trace_file else None
         # the injector wraps the runner only when on: off, a step calls the runner directly

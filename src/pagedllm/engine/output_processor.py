@@ -52,8 +52,11 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int = 1) -> None:
+        """`stream_interval`: a DELTA output goes out when a sample has its first token, has
+        finished, or has this many tokens not sent yet (EngineConfig.stream_interval)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._states: dict[str, _RequestState] = {}
         self._sample_of: dict[str, tuple[_RequestState, _Sample]] = {}
 
@@ -208,6 +211,8 @@ class OutputProcessor:
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
             return None
+        if kind == RequestOutputKind.DELTA and not (finished or force or self._due(state)):
+            return None  # the changes wait for the next output
         if kind == RequestOutputKind.DELTA:
             samples = [s for s in state.samples if s.changed]
         else:
@@ -233,6 +238,19 @@ class OutputProcessor:
             metrics=RequestMetrics(
                 first.arrival_time, first.first_scheduled_time, first.first_token_time
             ),
+        )
+
+    def _due(self, state: _RequestState) -> bool:
+        """A changed sample has its first token or `stream_interval` tokens unsent, or has
+        finished (n > 1: the others go on)."""
+        if self.stream_interval == 1:
+            return True
+        return any(
+            s.sent_tokens == 0
+            or s.finish_reason is not None
+            or len(s.request.output_token_ids) - s.sent_tokens >= self.stream_interval
+            for s in state.samples
+            if s.changed
         )
 
     @staticmethod

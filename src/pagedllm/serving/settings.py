@@ -143,4 +143,5 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
             "enable_prefix_caching", get("enable_prefix_caching", "true")
         ),
         tensor_parallel_size=tensor_parallel_size(parameters),
+        stream_interval=int_setting(parameters, "stream_interval", 1, minimum=1),
     )
