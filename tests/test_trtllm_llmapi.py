@@ -208,6 +208,9 @@ def test_end_to_end_test_llmapi_requests(server: TritonServer, llm: LLM) -> None
         grpc.infer("tensorrt_llm", [llmapi_inputs(PROMPT, 4)[0], streaming])
     assert "Streaming is only supported in decoupled mode." in str(e.value)
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    # an open keep-alive connection holds a stopping server for its whole exit timeout
+    client.close()
+    grpc.close()
 
 
 def test_stop_by_request_id_can_be_turned_off(checkpoints: dict[str, Path]) -> None:
