@@ -1,5 +1,5 @@
-"""The token-bitmask application: the CPU path and the Triton kernel (run by the Triton
-interpreter on CPU tensors) against a bit-by-bit reference, `ban_`, and a matcher fed a token
+"""The token-bitmask application: the CPU path and the Triton kernel (compiled on a GPU, else
+run by the Triton interpreter on CPU tensors) against a bit-by-bit reference, `ban_`, and a matcher fed a token
 its grammar refuses."""
 
 from __future__ import annotations
@@ -52,13 +52,16 @@ def test_triton_kernel_matches_the_bits(vocab: int) -> None:
     logits, bitmask = random_case(vocab, [1, 4], seed=1)
     bitmask[0] = 0  # rows not named are not read
     want = reference(logits, bitmask, [1, 4])
-    # a strided view, as the runner passes the sampled rows of a larger logits tensor
-    wide = torch.zeros(5, vocab + 8)
+    # compiled on a GPU (logits there, the bitmask on the host as the matchers fill it), else
+    # interpreted on CPU tensors; a strided view, as the runner passes the sampled rows of a
+    # larger logits tensor
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    wide = torch.zeros(5, vocab + 8, device=device)
     wide[:, :vocab] = logits
     view = wide[:, :vocab]
     apply_bitmask_triton(view, bitmask, [1, 4])
-    assert torch.equal(view, want)
-    assert torch.equal(wide[:, vocab:], torch.zeros(5, 8))
+    assert torch.equal(view.cpu(), want)
+    assert not wide[:, vocab:].any()
 
 
 def test_ban_keeps_a_row_that_would_be_empty() -> None:

@@ -323,23 +323,29 @@ def test_gpu_graphs_generate_as_eager(checkpoints: dict[str, Path]) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_kv_pool_from_real_free_memory(checkpoints: dict[str, Path]) -> None:
-    """On the device: a utilization leaving room for ~1000 KV blocks beyond what is in use,
-    the weights and the activation reserve gives about that many; an engine closed in this
-    process does not count as used (its memory stays cached by torch until the next one)."""
+    """On the device: a utilization leaving room for ~20000 KV blocks (160 MiB) beyond what is
+    in use, the weights and the activation reserve gives about that many; an engine closed in
+    this process does not count as used (its memory stays cached by torch until the next one).
+    The window is wide against what the device allocates by itself (lazily loaded modules)."""
     from pagedllm.llm import LLM
 
     path = checkpoints["llama"]
     model = ModelConfig.from_model_dir(path)
-    per_block = 2 * 2 * 16 * 2 * 16 * 4
+    per_block, target, seqs = 2 * 2 * 16 * 2 * 16 * 4, 20000, 1024
     first = LLM(str(path), max_num_seqs=4)  # takes the pool as usual, then is dropped
     del first
     gc.collect()
     free, total = torch.cuda.mem_get_info()
-    needed = model.num_parameters * 4 + activation_reserve(model, 2048, 64) + 1000 * per_block
-    cached = torch.cuda.memory_reserved()  # freed by create before it measures
+    needed = model.num_parameters * 4 + activation_reserve(model, 2048, seqs) + target * per_block
+    # what torch holds but no tensor uses (the dropped engine's pool): `create` frees it before
+    # it measures; what is still allocated (cuBLAS workspaces) stays used
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     utilization = (total - free - cached + needed) / total
-    # at most 64 x 32 = 2048 blocks: the budget, not this cap, decides
+    # at most 1024 x 32 blocks: the budget, not this cap, decides
     cfg = EngineConfig.create(
-        path, device="cuda", gpu_memory_utilization=utilization, max_num_seqs=64
+        path, device="cuda", gpu_memory_utilization=utilization, max_num_seqs=seqs
     )
-    assert 900 <= cfg.cache.num_kv_blocks <= 1100, cfg.cache.num_kv_blocks
+    seen = dict(
+        free=free, total=total, cached=cached, needed=needed, blocks=cfg.cache.num_kv_blocks
+    )
+    assert 0.8 * target <= cfg.cache.num_kv_blocks <= 1.2 * target, seen

@@ -104,7 +104,7 @@ class TorchAttentionBackend:
             qd = q[:d].view(d, num_kv_heads, group, head_dim)
             k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=m.decode_mask, scale=scale)
-            outs.append(o.view(d, num_heads, head_dim))
+            outs.append(o.reshape(d, num_heads, head_dim))  # CUDA kernels may permute it
         for p in m.prefills:
             # (1, heads, L, hd) x (1, kv, T, hd), causal after the cached prefix
             ctx = _gather(kv_cache, p.block_ids, 1)[0, : p.ctx_len]
