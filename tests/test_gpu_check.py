@@ -39,10 +39,13 @@ def test_without_cuda_the_check_skips_with_its_reason(tmp_path: Path) -> None:
     assert "parts" not in report
 
 
-def test_the_pytest_driver_reads_passes_and_failures() -> None:
+def test_the_pytest_driver_reads_passes_and_failures(tmp_path: Path) -> None:
     check = driver()
-    good = check.pytest_part("pool", ["tests/test_block_pool.py"], 300)
+    good = check.pytest_part("pool", ["tests/test_block_pool.py"], 300, tmp_path / "pool.log")
     assert good["ok"] and good["passed"] > 0 and not good.get("failed")
+    # its whole output kept beside the report
+    assert "passed" in (tmp_path / good["log"]).read_text()
     # a run that selects nothing is not a pass
-    none = check.pytest_part("none", ["tests/test_block_pool.py", "-k", "no_such_test"], 300)
+    args = ["tests/test_block_pool.py", "-k", "no_such_test"]
+    none = check.pytest_part("none", args, 300, tmp_path / "none.log")
     assert none["ok"] is False and none["deselected"] > 0
