@@ -9,7 +9,8 @@ bf16 (fp32 on the CPU, where `--device cpu` runs the same code as a smoke test):
 2. TTFT of a 1k- and a 4k-token prompt (no prefix hit);
 3. attention kernels alone: decode at batch 32 over 2k- and 4k-token contexts, its KV bytes
    per second against the device's bandwidth (a measured device-to-device copy, and the nominal
-   peak where the device is known); prefill of a 1k-token chunk in TFLOP/s;
+   peak where the device is known); prefill of a 1k-token chunk in TFLOP/s; each timed inside
+   a CUDA graph, as decode runs it (events around eager calls time the host's launches);
 4. the decode step's host overhead at batch 1 with graphs: (step wall time - graph replay GPU
    time) / step wall time.
 With --big, the same for a random Llama-3-8B-shaped checkpoint (bf16, 16 GB) where the
@@ -166,6 +167,19 @@ def cuda_time(fn: Callable[[], object], iters: int = 20) -> float:
     return sorted(times)[iters // 2]
 
 
+def graphed_time(fn: Callable[[], object], reps: int = 10) -> float:
+    """Seconds of one `fn` on the GPU as the engine runs it, inside a CUDA graph (`reps` calls
+    captured back to back): events around eager calls would time the host's kernel launches,
+    which a replay does not make."""
+    fn()  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return cuda_time(graph.replay) / reps
+
+
 def copy_bandwidth() -> float:
     """A device-to-device copy of 1 GiB: bytes read + written per second."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -200,7 +214,7 @@ def attention_kernels(shape: dict[str, Any]) -> dict[str, Any]:
         o = torch.empty_like(q)
         splits = num_decode_splits(batch, kv_heads, ctx, cfg)
         call = (o, q, cache, tables, lens, 0.1, splits, None, cfg)
-        seconds = cuda_time(lambda call=call: paged_decode(*call))
+        seconds = graphed_time(lambda call=call: paged_decode(*call))
         kv_bytes = batch * ctx * 2 * kv_heads * hd * 2
         rate = kv_bytes / seconds
         key = f"decode_attention_b{batch}_ctx{ctx}"
@@ -216,7 +230,7 @@ def attention_kernels(shape: dict[str, Any]) -> dict[str, Any]:
     t = lambda v: torch.tensor(v, dtype=i32, device="cuda")  # noqa: E731
     args = (cache, torch.arange(n // 16, dtype=i32, device="cuda")[None], t([0, n]), t([n]),
             t(req), t(rows), 0.1, None, cfg)  # fmt: skip
-    seconds = cuda_time(lambda: paged_prefill(o, q, *args))
+    seconds = graphed_time(lambda: paged_prefill(o, q, *args))
     flops = 4 * heads * hd * n * n / 2  # causal: half the QK^T and PV products
     out["prefill_attention_1k_us"] = round(seconds * 1e6, 1)
     out["prefill_attention_1k_tflops"] = round(flops / seconds / 1e12, 1)
