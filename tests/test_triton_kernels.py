@@ -225,7 +225,8 @@ def test_default_launches_match_reference(
     assert prefill_launch(cfg, dtype, head_dim).block_m == (
         32 if dtype == torch.float32 and head_dim == 96 else 64
     )
-    requests = [(40, 1), (5, 70), (0, 3)]
+    # decodes over 1 and 3 key tiles of the widest (128-key) launch
+    requests = [(40, 1), (300, 1), (5, 70), (0, 3)]
     out, expected = run_both(tk, requests, config=cfg, head_dim=head_dim, dtype=dtype)
     assert_matches(out, expected)
 

@@ -252,8 +252,9 @@ def report(archs: list[int] | None = None, workers: int | None = None) -> dict[s
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """One line per kernel x dtype x head dim; per architecture the worst case over its
-    variants (window, split, GQA): registers, shared memory, resident warps per SM."""
+    """One line per kernel x dtype x head dim; its distinct launch options (MHA and GQA may
+    differ); per architecture the worst case over its variants (window, split, GQA):
+    registers, shared memory, resident warps per SM."""
     archs = sorted({r["arch"] for r in rows}, key=lambda a: int(a[3:]))
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -262,9 +263,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         groups.setdefault((r["kernel"], r["dtype"], dims), []).append(r)
     head = ["kernel", "dtype", "head dim", "tile, warps, stages", "variants", *archs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def options(r: dict[str, Any]) -> str:
+        c = r["constexprs"]
+        tile = "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_G", "BLOCK_N") if k in c)
+        return f"{tile or '-'}, {r['num_warps']}, {r['num_stages']}"
+
     for (kernel, dtype, dims), group in sorted(groups.items()):
-        first = group[0]["constexprs"]
-        tile = "x".join(str(first[k]) for k in ("BLOCK_M", "BLOCK_G", "BLOCK_N") if k in first)
         cells = []
         for arch in archs:
             on = [r for r in group if r["arch"] == arch]
@@ -275,9 +280,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 f"{min(r['warps_per_sm'] for r in on)} warps/SM"
             )
             cells.append(cell + (f", **{spills} B spilled**" if spills else ""))
-        options = f"{tile or '-'}, {group[0]['num_warps']}, {group[0]['num_stages']}"
+        launches = " / ".join(sorted({options(r) for r in group}))
         count = len(group) // len(archs)
         lines.append(
-            f"| `{kernel}` | {dtype} | {dims} | {options} | {count} | " + " | ".join(cells) + " |"
+            f"| `{kernel}` | {dtype} | {dims} | {launches} | {count} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"

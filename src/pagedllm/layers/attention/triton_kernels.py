@@ -257,7 +257,7 @@ def paged_decode(
         return out
     block_d = pow2(head_dim)
     upcast, precision = dot_options(q.dtype)
-    launch = decode_launch(cfg, q.dtype)
+    launch = decode_launch(cfg, q.dtype, head_dim, group)
     if num_splits > 1:
         part_out = torch.empty(d, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(d, heads, num_splits, dtype=torch.float32, device=q.device)

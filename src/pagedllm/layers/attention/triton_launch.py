@@ -45,13 +45,18 @@ class Launch:
     num_stages: int
 
 
-def decode_launch(cfg: KernelConfig, dtype: torch.dtype) -> Launch:
+def decode_launch(cfg: KernelConfig, dtype: torch.dtype, head_dim: int, group: int) -> Launch:
     """Chosen from the kernel compiled for sm_80 / 89 / 90 / 100 (scripts/kernel_report.py;
-    docs/gpu.md): no register spills on any of them, shared memory within sm_89's 99 KiB."""
+    docs/gpu.md): no register spills on any of them, shared memory within sm_89's 99 KiB. In
+    16 bits, 4 warps and 128-key tiles up to head dim 64 (64-key past it) were the fastest on
+    an H200 (benchmarks/gpu_decode_sweep.py: 25 % under 8 warps and 64-key tiles); `group`
+    query heads per KV head."""
     if dtype == torch.float32:  # (16 x 64) fp32 tiles spill at 4 warps
         launch = Launch(0, 32, num_warps=8, num_stages=2)
-    else:  # (at 4 warps the MHA tile spills 4 B on sm_90)
-        launch = Launch(0, 64, num_warps=8, num_stages=2)
+    elif pow2(head_dim) <= 64:
+        launch = Launch(0, 128, num_warps=4, num_stages=2)
+    else:  # (at 4 warps the unsplit MHA tile spills 4 B on sm_90)
+        launch = Launch(0, 64, num_warps=4 if group > 1 else 8, num_stages=2)
     return _override(launch, cfg, cfg.decode_block_n)
 
 
