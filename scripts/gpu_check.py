@@ -70,8 +70,9 @@ def pytest_part(name: str, args: list[str], timeout: float, log: Path) -> dict[s
         done = subprocess.run(
             cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
         )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "command": cmd}
+    except subprocess.TimeoutExpired as e:  # what it printed so far (bytes, whatever `text`)
+        log.write_bytes(b"".join(o for o in (e.stdout, e.stderr) if isinstance(o, bytes)))
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "log": log.name}
     text = done.stdout + done.stderr
     log.write_text(text)
     counts = {

@@ -49,3 +49,10 @@ def test_the_pytest_driver_reads_passes_and_failures(tmp_path: Path) -> None:
     args = ["tests/test_block_pool.py", "-k", "no_such_test"]
     none = check.pytest_part("none", args, 300, tmp_path / "none.log")
     assert none["ok"] is False and none["deselected"] > 0
+
+
+def test_a_part_that_runs_out_of_time_says_so_and_keeps_its_log(tmp_path: Path) -> None:
+    check = driver()
+    part = check.pytest_part("slow", ["tests/test_block_pool.py"], 0.5, tmp_path / "slow.log")
+    assert part["ok"] is False and "timed out" in part["error"]
+    assert (tmp_path / part["log"]).exists()  # what it printed before it was stopped
