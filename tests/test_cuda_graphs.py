@@ -6,6 +6,7 @@ a CUDA device and are skipped here."""
 from __future__ import annotations
 
 import gc
+import inspect
 import subprocess
 import sys
 from collections.abc import Callable
@@ -217,6 +218,15 @@ def test_num_parameters_matches_the_checkpoint(checkpoints: dict[str, Path]) -> 
         assert ModelConfig.from_model_dir(path).num_parameters == expected, arch
 
 
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, free: int, total: int) -> None:
+    """A CUDA device as torch would report one (resolve_device asks), with this much memory."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU")
+
+
 def test_kv_pool_sized_from_free_device_memory(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -230,12 +240,7 @@ def test_kv_pool_sized_from_free_device_memory(
     # a device with room for the weights, the activation reserve and 7 KV blocks, of which
     # 100 bytes are already used by someone else
     total = model.num_parameters * 4 + activation_reserve(model, 2048, 4) + 7 * per_block + 100
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - 100, total))
-    # a CUDA device as torch would report one (resolve_device asks)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake GPU")
+    fake_cuda(monkeypatch, total - 100, total)
     gpu = EngineConfig.create(
         path, device="cuda", gpu_memory_utilization=1.0, max_num_seqs=4, enforce_eager=True
     )
@@ -245,6 +250,26 @@ def test_kv_pool_sized_from_free_device_memory(
         EngineConfig.create(path, device="cuda", gpu_memory_utilization=0.5, max_num_seqs=4)
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         EngineConfig.create(path, gpu_memory_utilization=1.5)
+
+
+def test_llm_takes_vllms_gpu_knobs(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LLM(...)` passes `gpu_memory_utilization` and `enforce_eager` on, with vLLM's defaults;
+    a utilization out of range is refused as such before a GPU's KV pool is sized (not as "no
+    device memory left")."""
+    from pagedllm.llm import LLM
+
+    params = inspect.signature(LLM).parameters
+    assert params["gpu_memory_utilization"].default == 0.9
+    assert params["enforce_eager"].default is False
+    path = checkpoints["llama"]
+    llm = LLM(str(path), device="cpu", gpu_memory_utilization=0.5, enforce_eager=True)
+    assert llm.engine.config.gpu_memory_utilization == 0.5 and llm.engine.config.enforce_eager
+    fake_cuda(monkeypatch, 80 * GIB, 80 * GIB)
+    for bad in (0, 1.01):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization must be in"):
+            LLM(str(path), device="cuda", gpu_memory_utilization=bad)
 
 
 def test_gpu_code_is_imported_lazily() -> None:

@@ -238,10 +238,7 @@ class EngineConfig:
         if not RESOLVED.fullmatch(self.device):  # never "auto" downstream
             object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+        check_utilization(self.gpu_memory_utilization)
 
     @staticmethod
     def create(
@@ -271,6 +268,7 @@ class EngineConfig:
         weights in `dtype`."""
         device = resolve_device(device)
         quantization = check_quantization(quantization)
+        check_utilization(gpu_memory_utilization)  # before it sizes a GPU's KV pool
         model = ModelConfig.from_model_dir(model_dir)
         context = model.context_length
         model_len = max_model_len or context
@@ -313,6 +311,11 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             stream_interval=stream_interval,
         )
+
+
+def check_utilization(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {value}")
 
 
 QUANTIZATIONS = ("int8", "int4", "gguf")

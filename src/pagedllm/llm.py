@@ -30,7 +30,10 @@ class LLM:
     checkpoint's weights in `dtype`), "int8" (per output channel), "int4" (affine, groups of
     32) or "gguf" (the model directory's GGUF file, Q8_0 / Q4_0 / Q4_1 kept as they are).
     `tensor_parallel_size`: ranks the model is split over (worker processes; `close()` stops
-    them, as does this process's exit)."""
+    them, as does this process's exit). On a GPU, as vLLM's: `gpu_memory_utilization`, the
+    share of the device this engine may use (its KV pool takes what the weights and
+    activations leave; `kv_cache_memory` is the CPU's budget), and `enforce_eager` (decode
+    steps without CUDA graphs)."""
 
     def __init__(
         self,
@@ -49,6 +52,8 @@ class LLM:
         attention_backend: str = "auto",
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -65,6 +70,8 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
