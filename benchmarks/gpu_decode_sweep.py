@@ -59,23 +59,14 @@ def main() -> None:
                     cfg = dataclasses.replace(base, decode_block_n=tile, num_warps=w)
                     for splits in (1, 2, 4, 8, 16, 32):
                         call = (o, q, cache, tables, lens, 0.1, splits, None, cfg)
+                        row: dict[str, Any] = {"tile": tile, "warps": w, "splits": splits}
                         try:
                             s = graphed_time(lambda call=call: paged_decode(*call))
                         except Exception as e:  # a launch the device refuses: say which
-                            rows.append(
-                                {"tile": tile, "warps": w, "splits": splits, "error": str(e)[:200]}
-                            )
+                            rows.append(row | {"error": str(e)[:200]})
                             continue
-                        frac = round(kv_bytes / s / copy, 3)
-                        rows.append(
-                            {
-                                "tile": tile,
-                                "warps": w,
-                                "splits": splits,
-                                "us": round(s * 1e6, 1),
-                                "of_copy": frac,
-                            }
-                        )
+                        us, frac = round(s * 1e6, 1), round(kv_bytes / s / copy, 3)
+                        rows.append(row | {"us": us, "of_copy": frac})
             launch = decode_launch(base, torch.bfloat16, hd, heads // kv_heads)
             chosen = {
                 "tile": launch.block_n,

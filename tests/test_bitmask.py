@@ -1,6 +1,6 @@
 """The token-bitmask application: the CPU path and the Triton kernel (compiled on a GPU, else
-run by the Triton interpreter on CPU tensors) against a bit-by-bit reference, `ban_`, and a matcher fed a token
-its grammar refuses."""
+run by the Triton interpreter on CPU tensors) against a bit-by-bit reference, `ban_`, and a
+matcher fed a token its grammar refuses."""
 
 from __future__ import annotations
 
