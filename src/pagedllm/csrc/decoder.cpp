@@ -40,6 +40,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             torch::Tensor context_lens, torch::Tensor final_norm, double eps,
                             double scale, int64_t heads, int64_t kv_heads,
                             int64_t sliding_window) {
+  ReleaseGil no_gil;  // the whole step: other Python threads run meanwhile
   const int64_t layers = static_cast<int64_t>(kv_caches.size()), d = x.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
               "decode_layers: ", kPerLayer, " weight tensors per layer");

@@ -137,7 +137,7 @@ std::optional<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, dou
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const float feps = static_cast<float>(eps);
-    pybind11::gil_scoped_release no_gil;
+    ReleaseGil no_gil;
     at::parallel_for(0, in.rows, row_grain(in.cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         normalize_row(xp + r * in.stride, wp, op + r * in.cols, in.cols, feps);
@@ -160,7 +160,7 @@ bool fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
     scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     const float feps = static_cast<float>(eps);
-    pybind11::gil_scoped_release no_gil;
+    ReleaseGil no_gil;
     at::parallel_for(0, xr.rows, row_grain(xr.cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         add_normalize_row(xp + r * xr.stride, rp + r * rr.stride, wp, xr.cols, feps);
@@ -185,7 +185,7 @@ std::optional<torch::Tensor> silu_and_mul(torch::Tensor gate_up) {
     using scalar_t = decltype(tag);
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    pybind11::gil_scoped_release no_gil;
+    ReleaseGil no_gil;
     at::parallel_for(0, in.rows, row_grain(cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         silu_mul_row(gp + r * in.stride, gp + r * in.stride + cols, op + r * cols, cols);
@@ -209,7 +209,7 @@ bool rotary_embedding(torch::Tensor qkv, torch::Tensor cos_sin, int64_t heads) {
   dispatch_float_dtype(qkv, [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* x = qkv.data_ptr<scalar_t>();
-    pybind11::gil_scoped_release no_gil;
+    ReleaseGil no_gil;
     at::parallel_for(0, n, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t h = 0; h < heads; ++h)
@@ -257,7 +257,7 @@ std::optional<torch::Tensor> argmax_rows(torch::Tensor x) {
   auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* p = xp + r * cols;

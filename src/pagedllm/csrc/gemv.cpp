@@ -208,6 +208,7 @@ torch::Tensor run_linear(const DenseW<T>& w, const torch::Tensor& x, int64_t n,
 
 std::optional<torch::Tensor> linear_dense(torch::Tensor x, torch::Tensor w,
                                           std::optional<torch::Tensor> bias) {
+  ReleaseGil no_gil;
   const int64_t n = w.size(0), k = w.size(1);
   if (!gemv_input_ok(x, k) || !weight_ok(w, n, k, w.scalar_type())) return std::nullopt;
   switch (w.scalar_type()) {
@@ -241,6 +242,7 @@ torch::Tensor decode_all(const W& w, int64_t n, int64_t k, const torch::TensorOp
 // The whole int8 / int4 weight decoded to fp32 (N, K): for many rows of x, where a dense
 // matmul (oneDNN) beats decoding each weight per call.
 std::optional<torch::Tensor> dequantize_int8(torch::Tensor q, torch::Tensor scales) {
+  ReleaseGil no_gil;
   const auto w = int8_weight(q, scales);
   if (!w) return std::nullopt;
   return decode_all(*w, q.size(0), w->k, scales.options());
@@ -248,6 +250,7 @@ std::optional<torch::Tensor> dequantize_int8(torch::Tensor q, torch::Tensor scal
 
 std::optional<torch::Tensor> dequantize_int4(torch::Tensor q, torch::Tensor scales,
                                              torch::Tensor mins) {
+  ReleaseGil no_gil;
   const auto w = int4_weight(q, scales, mins);
   if (!w) return std::nullopt;
   return decode_all(*w, q.size(0), w->k, scales.options());

@@ -288,7 +288,7 @@ void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cac
             const torch::Tensor& tables, const torch::Tensor& lens, double scale,
             int64_t window) {
   const auto args = make_args<scalar_t>(out, q, cache, tables, lens, scale, window);
-  pybind11::gil_scoped_release no_gil;
+  ReleaseGil no_gil;
   dispatch_head_dim(args, q.size(0));
 }
 

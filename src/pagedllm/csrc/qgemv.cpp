@@ -332,6 +332,7 @@ torch::Tensor run_qlinear(const F& f, const torch::Tensor& x, int64_t n,
 
 std::optional<torch::Tensor> linear_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
                                          std::optional<torch::Tensor> bias) {
+  ReleaseGil no_gil;
   if (q.dim() == 3) return packed_linear_int8(x, q, scales, bias);  // qgemv_packed.cpp
   const auto w = int8_weight(q, scales);
   if (!w || !gemv_input_ok(x, w->k)) return std::nullopt;
@@ -341,6 +342,7 @@ std::optional<torch::Tensor> linear_int8(torch::Tensor x, torch::Tensor q, torch
 
 std::optional<torch::Tensor> linear_int4(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
                                          torch::Tensor mins, std::optional<torch::Tensor> bias) {
+  ReleaseGil no_gil;
   if (q.dim() == 3) return packed_linear_int4(x, q, scales, mins, bias);
   const auto w = int4_weight(q, scales, mins);
   if (!w || !gemv_input_ok(x, w->k)) return std::nullopt;

@@ -20,6 +20,20 @@
 
 namespace {
 
+// Releases the GIL for its scope when this thread holds it: a kernel called from Python lets
+// the process's other Python threads run meanwhile (the served engine's sender thread builds
+// and sends the last step's responses while this step computes); inside another kernel, which
+// released it already, it does nothing.
+class ReleaseGil {
+ public:
+  ReleaseGil() {
+    if (PyGILState_Check()) released_.emplace();
+  }
+
+ private:
+  std::optional<pybind11::gil_scoped_release> released_;
+};
+
 // at::parallel_for(begin, end, grain, fn) with the work handed out in chunks (at least `grain`,
 // about eight per thread) to whichever thread is free, not split in equal halves up front: a
 // thread that the OS takes away for a while (another process waking on a 2-core host, a
