@@ -72,8 +72,9 @@ class Ticker:
 
 @contextmanager
 def ticking() -> Iterator[Ticker]:
-    """A running ticker; on leaving, asserts that it got at least half its turns inside the
-    kernel calls it wrapped."""
+    """A running ticker; on leaving, asserts that it got at least a quarter of its turns inside
+    the kernel calls it wrapped (with the GIL released it gets ~0.9 of them here; held, 0-0.05:
+    only inside the kernels that release it themselves)."""
     ticker = Ticker()
     interval, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(1.0)
@@ -89,7 +90,7 @@ def ticking() -> Iterator[Ticker]:
         sys.setswitchinterval(interval)
         torch.set_num_threads(threads)
     expected = rate * ticker.time_inside
-    assert ticker.calls and ticker.ticks_inside >= expected / 2, (ticker.ticks_inside, expected)
+    assert ticker.calls and ticker.ticks_inside >= expected / 4, (ticker.ticks_inside, expected)
 
 
 def test_a_decode_step_releases_the_gil(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
