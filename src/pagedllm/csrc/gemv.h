@@ -155,17 +155,42 @@ inline std::optional<Int4W> int4_weight(const torch::Tensor& q, const torch::Ten
   return Int4W{q.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), k};
 }
 
+// dst[i] = src[i] for `count` values between fp32 and bf16 / fp16, rounded as c10 rounds
+// (vec.h's lanes): inline for a decode step's few rows (a torch conversion costs ~4 us of
+// dispatch, two per linear layer), on all threads for a long prefill.
+template <typename From, typename To>
+void convert(const From* src, To* dst, int64_t count) {
+  at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) store(dst + i, load(src + i));
+    for (; i < end; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
+  });
+}
+
 // y = fn(x) + bias for x (M, K) of any float dtype: fn(x fp32, m, k, y fp32 (m, n)) fills y
-// (when m > 0); y comes back in x's dtype.
+// (when m > 0); y comes back in x's dtype, rounded once.
 template <typename F>
 torch::Tensor on_fp32_rows(const torch::Tensor& x, int64_t n,
                            const std::optional<torch::Tensor>& bias, const F& fn) {
   const int64_t m = x.size(0), k = x.size(1);
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  const torch::Tensor xc = x.contiguous();
+  const auto dtype = x.scalar_type();
+  const bool fp32 = dtype == torch::kFloat;
+  torch::Tensor xf = fp32 ? xc : torch::empty({m, k}, x.options().dtype(torch::kFloat));
+  if (dtype == torch::kBFloat16)
+    convert(xc.data_ptr<at::BFloat16>(), xf.data_ptr<float>(), m * k);
+  else if (dtype == torch::kHalf)
+    convert(xc.data_ptr<at::Half>(), xf.data_ptr<float>(), m * k);
   torch::Tensor y = torch::empty({m, n}, xf.options());
   if (m > 0) fn(xf.data_ptr<float>(), m, k, y.data_ptr<float>());
   if (bias.has_value()) y.add_(*bias);
-  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+  if (fp32) return y;
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  if (dtype == torch::kBFloat16)
+    convert(y.data_ptr<float>(), out.data_ptr<at::BFloat16>(), m * n);
+  else
+    convert(y.data_ptr<float>(), out.data_ptr<at::Half>(), m * n);
+  return out;
 }
 
 // x (a few rows, any float dtype) is what the linear kernels take.
