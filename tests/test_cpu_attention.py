@@ -114,6 +114,22 @@ def test_kernel_sliding_window(window: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", list(ATOL))
+def test_kernel_cuts_keys_over_threads_at_batch_one(threads: int, dtype: torch.dtype) -> None:
+    # fewer (request, KV head) tasks than twice the threads: each request's keys are cut into
+    # runs (one per thread, a tile of keys at least), their softmax sums merged after
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cases = [([300], None, 64), ([70, 0], None, 128), ([1000], 100, 64), ([33, 97], 40, 80)]
+        for lens, window, head_dim in cases:
+            out, expected = run_kernel(lens, 16, head_dim, 3, dtype, window=window, kv_heads=1)
+            torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_other_head_dims() -> None:
     for head_dim in (16, 80, 256):
         out, expected = run_kernel([3, 50], 16, head_dim, 2, torch.float32, kv_heads=3)

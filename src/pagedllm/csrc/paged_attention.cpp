@@ -174,20 +174,19 @@ int64_t first_key(const Args<scalar_t>& a, int64_t b) {
 // The cache is paged, so the hardware cannot guess where the next keys are: while a tile is
 // scored, the next one's slots are prefetched, one slot per key (all at once would fill the
 // line-fill buffers the tile's own loads need); the next tile of the last one is the first
-// of `next`, the thread's next pass (if any).
+// of `next`, the thread's next pass (if any). Keys [start, end) of request p.b, into s (the
+// queries loaded, the sums running).
 template <typename scalar_t, int64_t NV>
-void attend(const Args<scalar_t>& a, const Pass& p, const Pass* next, Scratch& s) {
+void attend_keys(const Args<scalar_t>& a, const Pass& p, int64_t start, int64_t end,
+                 const Pass* next, Scratch& s) {
   const int64_t nv = NV > 0 ? NV : a.nv;
-  load_queries(a, p, nv, s);
-  const int64_t ctx = a.context_lens[p.b];
-  const int64_t start = first_key(a, p.b);
   const scalar_t* tiles[2][kTile];  // this tile's slots and the next one's
-  if (start < ctx) locate_keys(a, p.b, start, std::min(kTile, ctx - start), tiles[0]);
-  for (int64_t t0 = start, k = 0; t0 < ctx; t0 += kTile, k ^= 1) {
-    const int64_t n = std::min(kTile, ctx - t0);
+  if (start < end) locate_keys(a, p.b, start, std::min(kTile, end - start), tiles[0]);
+  for (int64_t t0 = start, k = 0; t0 < end; t0 += kTile, k ^= 1) {
+    const int64_t n = std::min(kTile, end - t0);
     int64_t n_ahead = 0;
-    if (t0 + kTile < ctx) {
-      n_ahead = std::min(kTile, ctx - t0 - kTile);
+    if (t0 + kTile < end) {
+      n_ahead = std::min(kTile, end - t0 - kTile);
       locate_keys(a, p.b, t0 + kTile, n_ahead, tiles[k ^ 1]);
     } else if (next != nullptr) {
       const int64_t next_start = first_key(a, next->b);
@@ -198,6 +197,13 @@ void attend(const Args<scalar_t>& a, const Pass& p, const Pass* next, Scratch& s
     softmax_update(p.rows, n, s);
     accumulate_values<scalar_t, NV>(a, p, tiles[k], n, nv, s);
   }
+}
+
+template <typename scalar_t, int64_t NV>
+void attend(const Args<scalar_t>& a, const Pass& p, const Pass* next, Scratch& s) {
+  const int64_t nv = NV > 0 ? NV : a.nv;
+  load_queries(a, p, nv, s);
+  attend_keys<scalar_t, NV>(a, p, first_key(a, p.b), a.context_lens[p.b], next, s);
   store_output(a, p, nv, s);
 }
 
@@ -222,12 +228,85 @@ void run(const Args<scalar_t>& a, int64_t num_reqs) {
   });
 }
 
+// A run of request b's keys, [k0, k1), attended for all its heads.
+struct KeyRun {
+  int64_t b, k0, k1;
+};
+
+// Where (request, KV head) tasks are too few for the threads (batch 1: SmolLM2's 3 KV heads
+// on 2 threads leave one a third of the time idle), each request's keys are cut into up to
+// one run per thread, of at least a tile each; every run is attended for all the heads, and
+// the runs' partial softmax sums merged after (flash-decoding). False where no request has
+// keys enough to cut: run() then.
+template <typename scalar_t, int64_t NV>
+bool run_split(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
+  std::vector<KeyRun> runs;
+  std::vector<int64_t> first_run(num_reqs + 1);
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    first_run[b] = static_cast<int64_t>(runs.size());
+    const int64_t k0 = first_key(a, b), n = a.context_lens[b] - k0;
+    const int64_t parts = std::clamp<int64_t>(n / kTile, 1, threads);
+    for (int64_t i = 0; i < parts; ++i)
+      runs.push_back({b, k0 + n * i / parts, k0 + n * (i + 1) / parts});
+  }
+  first_run[num_reqs] = static_cast<int64_t>(runs.size());
+  if (first_run[num_reqs] == num_reqs) return false;
+  const int64_t nv = NV > 0 ? NV : a.nv, heads = a.kv_heads * a.group;
+  const int64_t max_heads = std::min(kMaxRows, kScratchVecs / nv) / a.group;
+  // each run's unnormalized outputs, running max and sum, per head
+  std::vector<fvec> acc(runs.size() * heads * nv);
+  std::vector<float> run_max(runs.size() * heads), run_sum(runs.size() * heads);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch s;  // on the thread's stack
+    for (int64_t i = begin; i < end; ++i) {
+      const KeyRun& run = runs[i];
+      for (int64_t h0 = 0; h0 < a.kv_heads; h0 += max_heads) {
+        const int64_t h1 = std::min(a.kv_heads, h0 + max_heads);
+        const Pass p{run.b, h0, h1, (h1 - h0) * a.group};
+        load_queries(a, p, nv, s);
+        attend_keys<scalar_t, NV>(a, p, run.k0, run.k1, nullptr, s);
+        const int64_t row0 = i * heads + h0 * a.group;
+        std::copy(s.acc, s.acc + p.rows * nv, acc.data() + row0 * nv);
+        std::copy(s.max, s.max + p.rows, run_max.data() + row0);
+        std::copy(s.sum, s.sum + p.rows, run_sum.data() + row0);
+      }
+    }
+  });
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t i = first_run[b]; i < first_run[b + 1]; ++i)
+        top = std::max(top, run_max[i * heads + h]);
+      fvec out[kMaxVecs] = {};
+      for (int64_t i = first_run[b]; i < first_run[b + 1]; ++i) {
+        const int64_t row = i * heads + h;
+        if (run_sum[row] == 0.f) continue;  // no keys in this run
+        const float w = std::exp(run_max[row] - top);
+        total += run_sum[row] * w;
+        for (int64_t c = 0; c < nv; ++c) out[c] += acc[row * nv + c] * w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys: zeros
+      scalar_t* o = a.out + (b * heads + h) * nv * kLanes;
+      for (int64_t c = 0; c < nv; ++c) store(o + c * kLanes, out[c] * inv);
+    }
+  }
+  return true;
+}
+
+template <typename scalar_t, int64_t NV>
+void run_any(const Args<scalar_t>& a, int64_t num_reqs) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const bool few_tasks = threads > 1 && num_reqs * a.kv_heads < 2 * threads;
+  if (few_tasks && run_split<scalar_t, NV>(a, num_reqs, threads)) return;
+  run<scalar_t, NV>(a, num_reqs);
+}
+
 template <typename scalar_t>
 void dispatch_head_dim(const Args<scalar_t>& a, int64_t num_reqs) {
   switch (a.nv) {
-    case 64 / kLanes: return run<scalar_t, 64 / kLanes>(a, num_reqs);
-    case 128 / kLanes: return run<scalar_t, 128 / kLanes>(a, num_reqs);
-    default: return run<scalar_t, 0>(a, num_reqs);
+    case 64 / kLanes: return run_any<scalar_t, 64 / kLanes>(a, num_reqs);
+    case 128 / kLanes: return run_any<scalar_t, 128 / kLanes>(a, num_reqs);
+    default: return run_any<scalar_t, 0>(a, num_reqs);
   }
 }
 
