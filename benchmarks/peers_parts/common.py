@@ -89,15 +89,18 @@ def ppl_scored(chunk_len: int) -> range:
 
 
 def memory_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
-    """Streaming read of a buffer far larger than L3 (a sum over it) on THREADS threads; the
-    best of `repeats`, in GB/s."""
+    """Streaming read of a buffer far larger than L3 (a sum over it) on THREADS threads, on
+    4 KiB pages and on huge pages where the OS gives them (as our engine's weights are:
+    pagedllm.model.arena); the best of `repeats` of each, in GB/s."""
     import torch
 
+    from pagedllm.model.arena import Arena
+
     torch.set_num_threads(THREADS)
-    buf = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB
-    buf.sum()
-    best = min(_timed(buf.sum) for _ in range(repeats))
-    return buf.numel() * 4 / best / 1e9
+    plain = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB
+    huge = Arena(mib << 20).copy(plain)
+    best = min(_timed(buf.sum) for buf in (plain, huge) for _ in range(repeats + 1))
+    return plain.numel() * 4 / best / 1e9
 
 
 def _timed(fn: Any) -> float:
