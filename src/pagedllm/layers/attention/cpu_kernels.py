@@ -7,8 +7,11 @@ padded tensor). Tasks are (request, KV head) pairs spread over the threads by
 the keys (each cache slot read as one contiguous run), and each key is loaded once for the
 `group` query heads of its KV head (and each value once for up to 4 of them); the next tile's
 slots are prefetched while a tile is scored (the cache is paged: the hardware prefetcher
-cannot follow it). Online softmax in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32, head_dim a
-multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their slots (one
+cannot follow it). With fewer tasks than twice the threads (batch 1: SmolLM2's 3 KV heads
+on 2 threads) each request's keys are cut instead into one run per thread (a tile at least),
+each attended for all heads, and the runs' softmax sums merged (flash-decoding). Online
+softmax in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32,
+head_dim a multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their slots (one
 copy per token).
 
 The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
