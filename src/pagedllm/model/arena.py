@@ -1,4 +1,5 @@
-"""A CPU model's weights moved into one anonymous mapping on transparent huge pages.
+"""A CPU model's weights moved into one anonymous mapping on transparent huge pages, and its
+KV caches allocated in another (`zeros`).
 
 Decode reads every weight once per step, front to back: on 4 KiB pages that is a TLB miss
 every 4 KiB (a 135M-parameter fp32 model: 130k per step). Linux hands out 2 MiB pages to a
@@ -11,6 +12,7 @@ weights stay where they are.
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import replace
 
@@ -36,13 +38,33 @@ class Arena:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._at = (-self._bytes.data_ptr()) % _HUGE
 
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next `shape` x `dtype` of the arena, contiguous (zeros where nothing was
+        written: the mapping starts zeroed)."""
+        n = math.prod(shape) * dtype.itemsize
+        out = self._bytes[self._at : self._at + n].view(dtype).view(shape)
+        self._at += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        return out
+
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` copied into the arena (same dtype and shape, contiguous)."""
-        n = t.numel() * t.element_size()
-        out = self._bytes[self._at : self._at + n].view(t.dtype).view(t.shape)
+        out = self.take(tuple(t.shape), t.dtype)
         out.copy_(t)
-        self._at += _size(t)
         return out
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+    """`count` zero CPU tensors of `shape` back to back in one huge-page mapping: the KV
+    caches, which decode attention reads block by block from wherever the blocks lie (on 4 KiB
+    pages a TLB miss every few keys). Every page is touched now, as torch.zeros would, so a
+    machine short of memory fails here, not mid-run. torch.zeros off Linux."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+    size = (math.prod(shape) * dtype.itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
+    arena = Arena(size * count)
+    tensors = [arena.take(shape, dtype) for _ in range(count)]
+    arena._bytes[:: mmap.PAGESIZE] = 0  # the mapping is zeroed: a byte a page maps it all
+    return tensors
 
 
 def adopt(model: torch.nn.Module) -> int:

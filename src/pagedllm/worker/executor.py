@@ -16,7 +16,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.comm import TPGroup
 from pagedllm.distributed.shard import ShardPlan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
-from pagedllm.model import load_model
+from pagedllm.model import arena, load_model
 from pagedllm.model.llama import ForwardContext
 from pagedllm.model.rope import rope_cos_sin, rotary_table
 from pagedllm.worker import cuda_graphs
@@ -73,10 +73,13 @@ class ShardExecutor:
         shape = self.backend.kv_cache_shape(
             num_kv_blocks, self.block_size, local.num_kv_heads, local.head_dim
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=config.dtype, device=self.device)
-            for _ in range(mcfg.num_layers)
-        ]
+        if self.device.type == "cpu":  # on huge pages, as the weights
+            self.kv_caches = arena.zeros(shape, config.dtype, mcfg.num_layers)
+        else:
+            self.kv_caches = [
+                torch.zeros(shape, dtype=config.dtype, device=self.device)
+                for _ in range(mcfg.num_layers)
+            ]
         cos, sin = rope_cos_sin(
             mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
         )
