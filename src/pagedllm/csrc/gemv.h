@@ -208,7 +208,8 @@ torch::Tensor on_fp32_rows(const torch::Tensor& x, int64_t n,
     case torch::kHalf: return on_16bit_rows<at::Half>(x, n, bias, fn);
     default: break;
   }
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "linear kernels: x in fp32, bf16 or fp16");
+  const torch::Tensor xf = x.contiguous();
   torch::Tensor y = torch::empty({x.size(0), n}, xf.options());
   if (x.size(0) > 0) fn(xf.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>());
   if (bias.has_value()) y.add_(*bias);
