@@ -24,8 +24,12 @@ _HUGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line
 
 
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 def _size(t: torch.Tensor) -> int:
-    return (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+    return _aligned(t.numel() * t.element_size())
 
 
 class Arena:
@@ -43,8 +47,12 @@ class Arena:
         written: the mapping starts zeroed)."""
         n = math.prod(shape) * dtype.itemsize
         out = self._bytes[self._at : self._at + n].view(dtype).view(shape)
-        self._at += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._at += _aligned(n)
         return out
+
+    def touch(self) -> None:
+        """Map every page now (a byte a page, written with the zero it holds)."""
+        self._bytes[:: mmap.PAGESIZE] = 0
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` copied into the arena (same dtype and shape, contiguous)."""
@@ -60,10 +68,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.
     machine short of memory fails here, not mid-run. torch.zeros off Linux."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
-    size = (math.prod(shape) * dtype.itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
-    arena = Arena(size * count)
+    arena = Arena(_aligned(math.prod(shape) * dtype.itemsize) * count)
     tensors = [arena.take(shape, dtype) for _ in range(count)]
-    arena._bytes[:: mmap.PAGESIZE] = 0  # the mapping is zeroed: a byte a page maps it all
+    arena.touch()
     return tensors
 
 
