@@ -191,10 +191,10 @@ torch::Tensor on_16bit_rows(const torch::Tensor& x, int64_t n,
   }
   float* y = xf + m * k;
   convert(xc.data_ptr<T>(), xf, m * k);
-  if (m > 0) fn(static_cast<const float*>(xf), m, k, y);
+  if (m > 0) fn(xf, m, k, y);
   if (bias.has_value()) torch::from_blob(y, {m, n}, torch::kFloat).add_(*bias);
   torch::Tensor out = torch::empty({m, n}, x.options());
-  convert(static_cast<const float*>(y), out.data_ptr<T>(), m * n);
+  convert(y, out.data_ptr<T>(), m * n);
   return out;
 }
 

@@ -11,8 +11,8 @@ cannot follow it). With fewer tasks than twice the threads (batch 1: SmolLM2's 3
 on 2 threads) each request's keys are cut instead into one run per thread (a tile at least),
 each attended for all heads, and the runs' softmax sums merged (flash-decoding). Online
 softmax in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32,
-head_dim a multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their slots (one
-copy per token).
+head_dim a multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their
+slots (one copy per token).
 
 The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
 `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding` in place on q and k): one pass per
