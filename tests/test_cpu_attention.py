@@ -272,3 +272,19 @@ def test_disabled_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="unavailable"):
         run_kernel([3], 4, 64, 1, torch.float32)
     compare_backends([(9, 1), (4, 3)], torch.float32, None)
+
+
+def test_decode_step_builds_no_reference_metadata() -> None:
+    """A step of decodes that the kernels run whole needs none of the reference path's masks:
+    they are not built (six tensor ops a step); a step the reference path runs builds them,
+    the same as the reference backend's."""
+    backend = CpuAttentionBackend()
+    decodes, _ = make_step([(3, 1), (16, 1)], 8)
+    meta = backend.build_metadata(decodes)
+    assert backend.decode_batch(meta) is not None and "ref" not in vars(meta)
+    mixed, _ = make_step([(3, 1), (11, 9)], 8)
+    meta = backend.build_metadata(mixed)
+    assert backend.decode_batch(meta) is None
+    expected = TorchAttentionBackend().build_metadata(mixed)
+    assert torch.equal(meta.ref.decode_mask, expected.decode_mask)
+    assert meta.prefill_ref.num_decodes == 0 and len(meta.prefill_ref.prefills) == 1

@@ -596,3 +596,18 @@ def test_e2e_prompt_logprobs_match_hf(
     # the prompts' blocks are now cached: prompt logprobs must still cover every position
     again = generate(llm, prompts, [params, params])
     assert [o.prompt_logprobs for o in again] == [o.prompt_logprobs for o in outs]
+
+
+def test_all_greedy_builds_no_temperature_tensors() -> None:
+    """All rows greedy: argmax alone reads the logits, so no per-row temperature / greedy
+    tensor is built; one sampled row brings both back, and the greedy rows still take argmax."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    greedy = [make_row(SamplingParams(temperature=0)) for _ in range(3)]
+    meta = SamplingMetadata.build(greedy, V, CPU)
+    assert meta.all_greedy and meta.temperature is None and meta.greedy is None
+    assert Sampler()(logits, greedy, meta).token_ids == logits.argmax(dim=-1).tolist()
+    mixed = [greedy[0], make_row(SamplingParams(temperature=0.8, seed=1)), greedy[2]]
+    meta = SamplingMetadata.build(mixed, V, CPU)
+    assert meta.temperature is not None and meta.greedy is not None
+    tokens = Sampler()(logits, mixed, meta).token_ids
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()

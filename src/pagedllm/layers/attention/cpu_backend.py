@@ -8,7 +8,8 @@ kernel cannot be built or does not handle the shapes (see `cpu_kernels.supports`
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -19,12 +20,24 @@ from pagedllm.layers.attention.torch_ref import TorchAttentionBackend, TorchAtte
 
 @dataclass
 class CpuAttentionMetadata:
-    ref: TorchAttentionMetadata  # the whole step, for the reference path
-    prefill_ref: TorchAttentionMetadata  # the same without the decodes
+    step: StepInputs
     num_decodes: int
     block_tables: torch.Tensor  # (D, max_blocks) int64
     context_lens: torch.Tensor  # (D,) int64
     sliding_window: int | None
+    builder: TorchAttentionBackend = field(repr=False)
+
+    # The reference path's metadata, built when first used: a step of decodes that the
+    # kernels run whole (csrc/decoder.cpp) never needs its masks (six tensor ops a step).
+    @cached_property
+    def ref(self) -> TorchAttentionMetadata:
+        """The whole step, for the reference path."""
+        return self.builder.build_metadata(self.step)
+
+    @cached_property
+    def prefill_ref(self) -> TorchAttentionMetadata:
+        """The same without the decodes."""
+        return dataclasses.replace(self.ref, num_decodes=0)
 
 
 class CpuAttentionBackend:
@@ -41,22 +54,21 @@ class CpuAttentionBackend:
 
     def build_metadata(self, step: StepInputs) -> CpuAttentionMetadata:
         d = step.num_decodes
-        ref = self._ref.build_metadata(step)
         return CpuAttentionMetadata(
-            ref=ref,
-            prefill_ref=dataclasses.replace(ref, num_decodes=0),
+            step=step,
             num_decodes=d,
             block_tables=step.block_tables[:d].to(torch.int64).contiguous(),
             context_lens=torch.tensor(step.context_lens[:d], dtype=torch.int64),
             sliding_window=step.sliding_window,
+            builder=self._ref,
         )
 
     def decode_batch(self, metadata: CpuAttentionMetadata) -> DecodeBatch | None:
         m = metadata
-        if not self.kernel_available or m.num_decodes != len(m.ref.slot_mapping):
+        if not self.kernel_available or m.num_decodes != len(m.step.slot_mapping):
             return None
         return DecodeBatch(
-            m.ref.slot_mapping, m.block_tables, m.context_lens, m.sliding_window or 0
+            m.step.slot_mapping, m.block_tables, m.context_lens, m.sliding_window or 0
         )
 
     def forward(
@@ -71,7 +83,7 @@ class CpuAttentionBackend:
         if d == 0 or not (self.kernel_available and cpu_kernels.supports(q, kv_cache)):
             return self._ref.forward(q, kv, kv_cache, m.ref, scale)
         if d == q.shape[0]:
-            cpu_kernels.write_kv(kv, kv_cache, m.ref.slot_mapping)
+            cpu_kernels.write_kv(kv, kv_cache, m.step.slot_mapping)
             return self._decode(q, kv_cache, m, scale)
         # writes every new key/value (the decodes' too) before attending the prefill chunks
         prefill_out = self._ref.forward(q, kv, kv_cache, m.prefill_ref, scale)
