@@ -10,6 +10,7 @@ default `raw_logprobs`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -18,6 +19,7 @@ import torch
 
 from pagedllm.core.scheduler import TokenLogprobs
 from pagedllm.layers.attention import cpu_kernels
+from pagedllm.layers.attention.base import host_to_device
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -61,10 +63,8 @@ class SamplingMetadata:
     @staticmethod
     def build(rows: Sequence[SampleRequest], vocab: int, device: torch.device) -> SamplingMetadata:
         ps = [r.params for r in rows]
-
-        def col(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        col = functools.partial(host_to_device, device=device, dtype=torch.float32)
+        ints = functools.partial(host_to_device, device=device, dtype=torch.int64)
         greedy = [p.greedy for p in ps]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
         masked = [
@@ -85,8 +85,8 @@ class SamplingMetadata:
             all_greedy=all_greedy,
             any_greedy=any(greedy),
             temperature=None if all_greedy else col(temps)[:, None],
-            greedy=None if all_greedy else torch.tensor(greedy, device=device),
-            top_k=torch.tensor(top_k, device=device) if any(k < vocab for k in top_k) else None,
+            greedy=None if all_greedy else host_to_device(greedy, device, torch.bool),
+            top_k=ints(top_k) if any(k < vocab for k in top_k) else None,
             top_p=col([p.top_p for p in ps]) if any(p.top_p < 1 for p in ps) else None,
             min_p=col([p.min_p for p in ps])[:, None] if any(p.min_p > 0 for p in ps) else None,
             penalties=(
@@ -100,8 +100,8 @@ class SamplingMetadata:
             ),
             banned=(
                 (
-                    torch.tensor([i for i, _ in masked], device=device),
-                    torch.tensor([t for _, t in masked], device=device),
+                    ints([i for i, _ in masked]),
+                    ints([t for _, t in masked]),
                 )
                 if masked
                 else None
@@ -129,7 +129,7 @@ def bad_word_bans(rows: Sequence[SampleRequest]) -> list[tuple[int, int]]:
 def _pad_ids(ids: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max((len(x) for x in ids), default=0))
     rows = [[*x, *([pad] * (width - len(x)))] for x in ids]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return host_to_device(rows, device, torch.int64)
 
 
 def apply_penalties(
@@ -143,7 +143,7 @@ def apply_penalties(
     vocab, device = logits.shape[1], logits.device
     # ragged id lists are padded with `vocab`; padding then points at an id the row has seen
     # (its first prompt token) and adds nothing
-    anchor = torch.tensor([r.prompt_token_ids[0] for r in rows], device=device)[:, None]
+    anchor = host_to_device([r.prompt_token_ids[0] for r in rows], device, torch.int64)[:, None]
     out_ids = _pad_ids([r.output_token_ids for r in rows], vocab, device)
     seen_ids = torch.cat([_pad_ids([r.prompt_token_ids for r in rows], vocab, device), out_ids], 1)
     seen_ids = torch.where(seen_ids < vocab, seen_ids, anchor)

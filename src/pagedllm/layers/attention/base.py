@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
+
+
+def host_to_device(values: Sequence[Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list (of lists) as a device tensor; on a GPU through pinned memory with a
+    non-blocking copy, which does not wait for the GPU's queued work as a copy from pageable
+    memory does (the pinned block is reused only after the copy completed: torch's caching
+    host allocator records the copy's stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass

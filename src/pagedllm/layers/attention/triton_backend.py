@@ -19,17 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.attention import triton_kernels, triton_prefill
-from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.attention.base import StepInputs, host_to_device
 from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_tiles
-
-
-def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A host list as a device tensor; on a GPU through pinned memory with a non-blocking copy
-    (the pinned block is reused only after the copy completed: torch's caching host
-    allocator records the copy's stream)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass
