@@ -62,15 +62,29 @@ void locate_keys(const Args<scalar_t>& a, int64_t b, int64_t t0, int64_t n,
   }
 }
 
+// Every cache line of [p, p + bytes) into L2.
+inline void prefetch_lines(const char* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t at = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; at < end; at += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(at), 0, 2);
+}
+
 // Each key is loaded (and converted) once for all the query heads of its KV head.
 template <typename scalar_t, int64_t NV>
 void score_tile(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* slots,
-                int64_t n, int64_t nv, Scratch& s, const scalar_t* const* ahead, int64_t n_ahead) {
-  const int64_t slot_bytes = a.slot_stride * static_cast<int64_t>(sizeof(scalar_t));
+                int64_t n, int64_t nv, Scratch& s, const scalar_t* const* ahead, int64_t n_ahead,
+                const Pass& next_pass) {
+  // of each slot ahead, the keys and the values of the next pass's KV heads: the whole slot
+  // where they are all of them
+  const int64_t head_bytes = nv * kLanes * static_cast<int64_t>(sizeof(scalar_t));
+  const bool whole = next_pass.h0 == 0 && next_pass.h1 == a.kv_heads;
+  const int64_t span = whole ? 2 * a.kv_heads * head_bytes : (next_pass.h1 - next_pass.h0) * head_bytes;
+  const int64_t k0 = next_pass.h0 * head_bytes, v0 = (a.kv_heads + next_pass.h0) * head_bytes;
   for (int64_t i = 0; i < n; ++i) {
     if (i < n_ahead) {
       const char* next = reinterpret_cast<const char*>(ahead[i]);
-      for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+      prefetch_lines(next + k0, span);
+      if (!whole) prefetch_lines(next + v0, span);
     }
     for (int64_t h = p.h0; h < p.h1; ++h) {
       fvec key[NV > 0 ? NV : kMaxVecs];
@@ -173,8 +187,9 @@ int64_t first_key(const Args<scalar_t>& a, int64_t b) {
 // NV = head_dim / kLanes fixed at compile time (registers, full unrolling), or 0: from the args.
 // The cache is paged, so the hardware cannot guess where the next keys are: while a tile is
 // scored, the next one's slots are prefetched, one slot per key (all at once would fill the
-// line-fill buffers the tile's own loads need); the next tile of the last one is the first
-// of `next`, the thread's next pass (if any). Keys [start, end) of request p.b, into s (the
+// line-fill buffers the tile's own loads need), only the keys and values of the pass's KV
+// heads (a pass of fewer heads than the slot holds would pull in lines it never reads); the
+// next tile of the last one is the first of `next`, the thread's next pass (if any). Keys [start, end) of request p.b, into s (the
 // queries loaded, the sums running).
 template <typename scalar_t, int64_t NV>
 void attend_keys(const Args<scalar_t>& a, const Pass& p, int64_t start, int64_t end,
@@ -193,7 +208,8 @@ void attend_keys(const Args<scalar_t>& a, const Pass& p, int64_t start, int64_t 
       n_ahead = std::max<int64_t>(0, std::min(kTile, a.context_lens[next->b] - next_start));
       locate_keys(a, next->b, next_start, n_ahead, tiles[k ^ 1]);
     }
-    score_tile<scalar_t, NV>(a, p, tiles[k], n, nv, s, tiles[k ^ 1], n_ahead);
+    const bool last = t0 + kTile >= end && next != nullptr;
+    score_tile<scalar_t, NV>(a, p, tiles[k], n, nv, s, tiles[k ^ 1], n_ahead, last ? *next : p);
     softmax_update(p.rows, n, s);
     accumulate_values<scalar_t, NV>(a, p, tiles[k], n, nv, s);
   }
@@ -212,7 +228,10 @@ void attend(const Args<scalar_t>& a, const Pass& p, const Pass* next, Scratch& s
 template <typename scalar_t, int64_t NV>
 void run(const Args<scalar_t>& a, int64_t num_reqs) {
   const int64_t max_heads = std::min(kMaxRows, kScratchVecs / a.nv) / a.group;
-  parallel_for_rows(num_reqs, 0, num_reqs * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t per = num_reqs >= 2 * threads ? a.kv_heads : 1;  // tasks handed out together
+  parallel_for_rows(num_reqs, 0, num_reqs * a.kv_heads / per, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t begin = u0 * per, end = u1 * per;
     Scratch s;  // on the thread's stack
     const auto pass_at = [&](int64_t task) {
       const int64_t b = task / a.kv_heads, h0 = task % a.kv_heads;
