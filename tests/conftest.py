@@ -146,17 +146,38 @@ def slow_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def server(
+def _tiny_server(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
-    """A real tritonserver with the tiny llama checkpoint (float32), one per test module."""
     from pagedllm.serving.launcher import make_server
 
     with make_server(
         str(checkpoints["llama"]), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")
     ) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def shared_server(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """One server for every module that sets `SHARES_SERVER = True`: modules that only send it
+    requests and read its metrics as deltas (a start costs ~27 s of CPU; idle, it costs none)."""
+    yield from _tiny_server(checkpoints, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(
+    request: pytest.FixtureRequest,
+    checkpoints: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[TritonServer]:
+    """A real tritonserver with the tiny llama checkpoint (float32): one per test module, or
+    the session's shared one where the module sets `SHARES_SERVER = True`."""
+    if getattr(request.module, "SHARES_SERVER", False):
+        yield request.getfixturevalue("shared_server")
+    else:
+        yield from _tiny_server(checkpoints, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from test_server import offline_text
 from pagedllm import LLM
 from pagedllm.serving.tritonserver import TritonServer, free_port
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"
 MAX_TOKENS = 12

@@ -17,6 +17,7 @@ from grpc_stream import grpc_inputs
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.tritonserver import TritonServer
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 PROMPT = "Once upon a time"
 GREEDY: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
 

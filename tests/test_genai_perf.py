@@ -23,6 +23,7 @@ import pytest
 
 from pagedllm.serving.tritonserver import TritonServer
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 OUTPUT_TOKENS = 24
 NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32}
 NUMPY["UINT64"] = np.uint64

@@ -30,6 +30,7 @@ from test_trtllm_bls import run_inference, texts
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.tritonserver import TritonServer
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 PROMPT = "Once upon a time"
 MAX_TOKENS = 64
 SCHEMA = {

@@ -23,6 +23,7 @@ from pagedllm.serving.trtllm import BatchReplies, BlsModel, trt_greedy, words
 from pagedllm.serving.trtllm_llmapi import llmapi_greedy
 from pagedllm.text.tokenizer import Tokenizer
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 PROMPT = "Once upon a time"
 OTHER = "Paged attention"
 OUTPUT_LEN = 12

@@ -44,6 +44,7 @@ def test_llmapi_request_defaults_and_refusals(checkpoints: dict[str, Path]) -> N
 # --- tensorrt_llm (the LLM-API model) -----------------------------------------------------------
 
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 OTHERS_LEN = 64
 TARGET_LEN = 2000  # tokens of the slow checkpoint: seconds on any machine
 
