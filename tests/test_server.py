@@ -20,6 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.tritonserver import TritonServer
 
+SHARES_SERVER = True  # conftest's session server: requests only, metrics read as deltas
 PROMPT = "Once upon a time"
 MAX_TOKENS = 12
 
