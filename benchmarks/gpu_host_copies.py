@@ -1,12 +1,12 @@
 """The sampler's per-step host tensors on a GPU, printing one JSON document: decode steps at
-batch 1 (SmolLM2's shape, bf16, random weights, CUDA graphs) for three kinds of request
+batch 1, or `--batch` (SmolLM2's shape, bf16, random weights, CUDA graphs) for three kinds of request
 (sampled with top-k / top-p, sampled with a repetition penalty, greedy), the tensors copied as
 the sampler copies them (`layers.attention.base.host_to_device`: pinned memory, non-blocking)
 against plain `torch.tensor(values, device="cuda")`, whose copy from pageable memory waits for
 the GPU's queued work (the step's graph), in interleaved rounds in one process. Also each
 step's graph time on the GPU and the host overhead (1 - graph time / step time, median round).
 
-    python benchmarks/gpu_host_copies.py [--steps 100] [--rounds 4]
+    python benchmarks/gpu_host_copies.py [--steps 100] [--rounds 4] [--batch 1]
 """
 
 from __future__ import annotations
@@ -43,19 +43,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=100, help="steps per round")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return
     copies = {"pinned": sampler.host_to_device, "pageable": pageable}
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "batch": args.batch,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model = gb.random_checkpoint(Path(tmp) / "s", gb.SMOLLM2, torch.bfloat16, "cuda")
-        eng = gb.engine(model, "cuda", torch.bfloat16, False)
-        graph, _ = eng.runner.graphs.graphs[1]
+        eng = gb.engine(model, "cuda", torch.bfloat16, False, max_num_seqs=max(args.batch, 8))
+        graphs = eng.runner.graphs.graphs  # by size: the batch runs the smallest that holds it
+        graph, _ = graphs[min(size for size in graphs if size >= args.batch)]
         for kind, kw in KINDS.items():
             params = SamplingParams(max_tokens=4000, ignore_eos=True, detokenize=False, **kw)
-            eng.add_request(kind, list(range(3, 35)), params)
+            ids = [f"{kind}-{i}" for i in range(args.batch)]
+            for i, rid in enumerate(ids):
+                eng.add_request(rid, list(range(3 + i, 35 + i)), params)
             for _ in range(30):
                 eng.step()
             steps: dict[str, list[float]] = {name: [] for name in copies}
@@ -69,7 +77,8 @@ def main() -> None:
                     torch.cuda.synchronize()
                     steps[name].append((time.perf_counter() - start) / args.steps * 1e6)
             sampler.host_to_device = copies["pinned"]
-            eng.abort_request(kind)
+            for rid in ids:
+                eng.abort_request(rid)
             gpu_us = gb.cuda_time(graph.replay) * 1e6
             row: dict[str, Any] = {"graph_gpu_us": round(gpu_us, 1)}
             for name, times in steps.items():
