@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,6 +179,44 @@ def server(
         yield request.getfixturevalue("shared_server")
     else:
         yield from _tiny_server(checkpoints, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def openai_model_dir(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny llama checkpoint with a chat template (a copy: the shared one stays as is), for
+    the gateway modules (test_openai and those that alias its fixtures)."""
+    from openai_gateway import MODEL, with_chat_template
+
+    path = tmp_path_factory.mktemp("openai") / MODEL
+    shutil.copytree(checkpoints["llama"], path)
+    return with_chat_template(path)
+
+
+@pytest.fixture(scope="session")
+def openai_server(
+    openai_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """One server for the gateway modules: they send it requests and read its metrics as
+    deltas, like the modules on `shared_server`."""
+    from pagedllm.serving.launcher import make_server
+
+    work = tmp_path_factory.mktemp("triton")
+    with make_server(str(openai_model_dir), dtype="float32", work_dir=work) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def openai_gateway(
+    openai_server: TritonServer, openai_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """`pagedllm openai` in front of `openai_server`; its base URL (http://127.0.0.1:PORT)."""
+    from openai_gateway import warm_gateway
+
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with warm_gateway(openai_server, openai_model_dir, log) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

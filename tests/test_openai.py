@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +18,17 @@ import httpx
 import openai
 import pytest
 from gateway_metrics import test_gateway_serves_what_the_endpoint_picker_reads  # noqa: F401
-from openai_gateway import running_gateway
+from openai_gateway import MODEL, PROMPT
 from server_metrics import metrics, wait_idle
 from test_server import offline_text
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.openai.chat import ChatTemplate
-from pagedllm.serving.launcher import make_server
 from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.text.tokenizer import Tokenizer
 
-MODEL = "tiny-llama"
-PROMPT = "Once upon a time"
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-# a ChatML-like template over the tiny tokenizer's special tokens
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<s>' + message['role'] + '\\n' + message['content'] + "
-    "'</s>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
-)
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Tell me about paged attention."},
@@ -45,39 +36,21 @@ MESSAGES = [
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+# The session's checkpoint, server and gateway (conftest: openai_*), shared by the gateway
+# modules that alias these; test_openai_structured serves its own checkpoint.
 @pytest.fixture(scope="module")
-def model_dir(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama checkpoint with a chat template (a copy: the shared one stays as is)."""
-    path = tmp_path_factory.mktemp("openai") / MODEL
-    shutil.copytree(checkpoints["llama"], path)
-    return with_chat_template(path)
-
-
-def with_chat_template(path: Path) -> Path:
-    """The checkpoint at `path`, its tokenizer_config.json given CHAT_TEMPLATE."""
-    config = {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+def model_dir(openai_model_dir: Path) -> Path:
+    return openai_model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    work = tmp_path_factory.mktemp("triton")
-    with make_server(str(model_dir), dtype="float32", work_dir=work) as s:
-        yield s
+def server(openai_server: TritonServer) -> TritonServer:
+    return openai_server
 
 
 @pytest.fixture(scope="module")
-def gateway(
-    server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """`pagedllm openai` as a subprocess; its base URL (http://127.0.0.1:PORT)."""
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with running_gateway(server, model_dir, log) as url:
-        # the first request through a fresh server is slow (lazy set-up along the pipeline)
-        warm_up = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}
-        assert httpx.post(f"{url}/v1/completions", json=warm_up, timeout=60).status_code == 200
-        yield url
+def gateway(openai_gateway: str) -> str:
+    return openai_gateway
 
 
 @pytest.fixture(scope="module")

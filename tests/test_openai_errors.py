@@ -1,5 +1,5 @@
-"""`pagedllm openai`'s errors: bad requests to the real gateway (test_openai's fixtures, one
-server and gateway for this module) answer their exact status in OpenAI's shape, naming the
+"""`pagedllm openai`'s errors: bad requests to the real gateway (test_openai's fixtures: the
+session's server and gateway) answer their exact status in OpenAI's shape, naming the
 problem and showing no internals; Triton-side failures are errors, never an empty success."""
 
 from __future__ import annotations

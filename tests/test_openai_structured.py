@@ -20,10 +20,9 @@ import jsonschema
 import openai
 import pytest
 import test_openai
-from openai_gateway import running_gateway
+from openai_gateway import MODEL, running_gateway, warm_gateway, with_chat_template
 from pydantic import BaseModel, Field
 from test_openai import MESSAGES as _MESSAGES
-from test_openai import MODEL, with_chat_template
 from test_openai_tools import QWEN_LIKE, TOOLS, WEATHER, hf_render
 
 from conftest import make_checkpoint
@@ -31,8 +30,7 @@ from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.text.tokenizer import Tokenizer
 
 MESSAGES: Any = _MESSAGES  # the clients' message types are TypedDicts
-server, gateway, client = test_openai.server, test_openai.gateway, test_openai.client
-tokenizer = test_openai.tokenizer
+client, tokenizer = test_openai.client, test_openai.tokenizer
 
 SEEDED: dict[str, Any] = {"temperature": 1.0, "seed": 11, "max_completion_tokens": 200}
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
@@ -67,6 +65,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory.mktemp("structured") / MODEL, "llama", max_position_embeddings=2048
     )
     return with_chat_template(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    from pagedllm.serving.launcher import make_server
+
+    work = tmp_path_factory.mktemp("triton")
+    with make_server(str(model_dir), dtype="float32", work_dir=work) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    with warm_gateway(server, model_dir, tmp_path_factory.mktemp("gateway") / "gateway.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

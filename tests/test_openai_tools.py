@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_openai import CHAT_TEMPLATE, MODEL
+from openai_gateway import CHAT_TEMPLATE, MODEL
 
 from conftest import TINY, build_tokenizer
 from pagedllm.openai.chat import ChatTemplate
