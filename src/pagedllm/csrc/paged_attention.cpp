@@ -7,9 +7,8 @@ namespace {
 // Tasks are (request, KV head) pairs; a thread attends its consecutive tasks of one request
 // in a single pass over the keys, which reads each cache slot as one contiguous run.
 template <typename scalar_t, int64_t NV>
-void run(const Args<scalar_t>& a, int64_t num_reqs) {
+void run(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
   const int64_t max_heads = std::min(kMaxRows, kScratchVecs / a.nv) / a.group;
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t per = num_reqs >= 2 * threads ? a.kv_heads : 1;  // tasks handed out together
   parallel_for_rows(num_reqs, 0, num_reqs * a.kv_heads / per, 1, [&](int64_t u0, int64_t u1) {
     const int64_t begin = u0 * per, end = u1 * per;
@@ -98,7 +97,7 @@ void run_any(const Args<scalar_t>& a, int64_t num_reqs) {
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const bool few_tasks = threads > 1 && num_reqs * a.kv_heads < 2 * threads;
   if (few_tasks && run_split<scalar_t, NV>(a, num_reqs, threads)) return;
-  run<scalar_t, NV>(a, num_reqs);
+  run<scalar_t, NV>(a, num_reqs, threads);
 }
 
 template <typename scalar_t>

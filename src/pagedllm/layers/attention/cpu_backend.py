@@ -57,7 +57,7 @@ class CpuAttentionBackend:
         return CpuAttentionMetadata(
             step=step,
             num_decodes=d,
-            block_tables=step.block_tables[:d].to(torch.int64).contiguous(),
+            block_tables=step.block_tables[:d],  # int64, rows contiguous (StepInputs)
             context_lens=torch.tensor(step.context_lens[:d], dtype=torch.int64),
             sliding_window=step.sliding_window,
             builder=self._ref,
