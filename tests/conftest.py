@@ -147,14 +147,11 @@ def slow_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _tiny_server(
-    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TritonServer]:
+def serving(path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """A real tritonserver over the checkpoint at `path` (float32), for a fixture to yield from."""
     from pagedllm.serving.launcher import make_server
 
-    with make_server(
-        str(checkpoints["llama"]), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")
-    ) as s:
+    with make_server(str(path), dtype="float32", work_dir=tmp_path_factory.mktemp("triton")) as s:
         yield s
 
 
@@ -164,7 +161,7 @@ def shared_server(
 ) -> Iterator[TritonServer]:
     """One server for every module that sets `SHARES_SERVER = True`: modules that only send it
     requests and read its metrics as deltas (a start costs ~27 s of CPU; idle, it costs none)."""
-    yield from _tiny_server(checkpoints, tmp_path_factory)
+    yield from serving(checkpoints["llama"], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +175,7 @@ def server(
     if getattr(request.module, "SHARES_SERVER", False):
         yield request.getfixturevalue("shared_server")
     else:
-        yield from _tiny_server(checkpoints, tmp_path_factory)
+        yield from serving(checkpoints["llama"], tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -200,11 +197,7 @@ def openai_server(
 ) -> Iterator[TritonServer]:
     """One server for the gateway modules: they send it requests and read its metrics as
     deltas, like the modules on `shared_server`."""
-    from pagedllm.serving.launcher import make_server
-
-    work = tmp_path_factory.mktemp("triton")
-    with make_server(str(openai_model_dir), dtype="float32", work_dir=work) as s:
-        yield s
+    yield from serving(openai_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

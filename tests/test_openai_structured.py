@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from test_openai import MESSAGES as _MESSAGES
 from test_openai_tools import QWEN_LIKE, TOOLS, WEATHER, hf_render
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, serving
 from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -69,11 +69,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    from pagedllm.serving.launcher import make_server
-
-    work = tmp_path_factory.mktemp("triton")
-    with make_server(str(model_dir), dtype="float32", work_dir=work) as s:
-        yield s
+    yield from serving(model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
