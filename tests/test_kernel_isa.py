@@ -4,7 +4,10 @@ per vector) and no AVX at all (`-march=x86-64-v2`: the portable vector-extension
 against dequantize-then-matmul as tests/test_quantization.py states it. `-march=native` only
 ever compiles this machine's branch of each `#if`; these compile and run the others (a
 subset of this CPU's ISA, so they run here), except where this CPU's own build takes the
-same branches. About a minute per build, both at once (a build keeps one core busy)."""
+same branches. Per ISA, the linear kernels' sources as shipped (-O3) and, for the other
+kernels' branches, the whole extension compiled without optimization (a compile check: it
+takes as long as the headers, half of an -O3 build); about a minute, all at once (a build
+keeps one core busy)."""
 
 from __future__ import annotations
 
@@ -39,14 +42,26 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def build(march: str) -> Any:
+# the linear kernels' sources (each includes what it needs) and functions
+LINEAR_SOURCES = ("gemv.cpp", "qgemv_row.cpp", "qgemv_packed.cpp", "qgemv.cpp")
+LINEAR_FUNCTIONS = ("linear_dense", "linear_int8", "linear_int4")
+
+
+def build(march: str, whole: bool) -> Any:
+    """The linear kernels for `march` as shipped (-O3), or the whole extension at -O0."""
     from torch.utils.cpp_extension import load_inline
 
     flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels._CFLAGS]
+    sources = [(cpu_kernels.CSRC / name).read_text(encoding="utf-8") for name in LINEAR_SOURCES]
+    functions = list(LINEAR_FUNCTIONS)
+    if whole:
+        flags = ["-O0" if f == "-O3" else f for f in flags]
+        sources, functions = cpu_kernels._source_text(), list(cpu_kernels._FUNCTIONS)
+    kind = "o0" if whole else "linear"
     return load_inline(
-        name=f"{cpu_kernels.extension_name()}_{march.replace('-', '_')}",
-        cpp_sources=cpu_kernels._source_text(),
-        functions=list(cpu_kernels._FUNCTIONS),
+        name=f"{cpu_kernels.extension_name()}_{march.replace('-', '_')}_{kind}",
+        cpp_sources=sources,
+        functions=functions,
         extra_cflags=flags,
         extra_ldflags=list(cpu_kernels._LDFLAGS),
         extra_include_paths=[str(cpu_kernels.CSRC)],
@@ -54,15 +69,16 @@ def build(march: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def builds() -> dict[str, Any]:
-    """The extension for each ISA this CPU can run, built side by side."""
-    runnable = [
-        march
+def builds() -> dict[tuple[str, bool], Any]:
+    """For each ISA this CPU can run: (march, whole) -> its build, all built side by side."""
+    keys = [
+        (march, whole)
         for march, flags in ISAS.items()
         if flags <= cpu_kernels.cpu_flags() and not native_takes(march)
+        for whole in (False, True)
     ]
-    with ThreadPoolExecutor(len(runnable) or 1) as pool:
-        return dict(zip(runnable, pool.map(build, runnable), strict=True))
+    with ThreadPoolExecutor(len(keys) or 1) as pool:
+        return dict(zip(keys, pool.map(lambda key: build(*key), keys), strict=True))
 
 
 def kernel_linear(module: Any, x: torch.Tensor, w: quant.Weight, bias: torch.Tensor) -> Any:
@@ -78,12 +94,8 @@ def kernel_linear(module: Any, x: torch.Tensor, w: quant.Weight, bias: torch.Ten
 
 
 @pytest.mark.parametrize("march", sorted(ISAS))
-def test_linear_kernels_on_another_isa(march: str, builds: dict[str, Any]) -> None:
-    if native_takes(march):
-        pytest.skip(f"this CPU's own build takes {march}'s branches (the other kernel tests)")
-    if march not in builds:
-        pytest.skip(f"this CPU cannot run {march} code")
-    module = builds[march]
+def test_linear_kernels_on_another_isa(march: str, builds: dict[tuple[str, bool], Any]) -> None:
+    module = _built(march, False, builds)
     for n, k in [(67, 64), (33, 96), (130, 1536)]:
         for rows in (1, 2, 6):
             torch.manual_seed(rows)
@@ -97,3 +109,21 @@ def test_linear_kernels_on_another_isa(march: str, builds: dict[str, Any]) -> No
                 out = kernel_linear(module, x, weight, bias)
                 err = (out.double() - expected).abs().max() / expected.abs().max()
                 assert err < 1e-5, (march, n, k, rows, name, err)
+
+
+@pytest.mark.parametrize("march", sorted(ISAS))
+def test_every_kernel_compiles_on_another_isa(
+    march: str, builds: dict[tuple[str, bool], Any]
+) -> None:
+    """The attention, elementwise and decoder kernels' branches for `march` compile and load
+    (the linear ones also run above)."""
+    module = _built(march, True, builds)
+    assert all(callable(getattr(module, name)) for name in cpu_kernels._FUNCTIONS)
+
+
+def _built(march: str, whole: bool, builds: dict[tuple[str, bool], Any]) -> Any:
+    if native_takes(march):
+        pytest.skip(f"this CPU's own build takes {march}'s branches (the other kernel tests)")
+    if (march, whole) not in builds:
+        pytest.skip(f"this CPU cannot run {march} code")
+    return builds[march, whole]
