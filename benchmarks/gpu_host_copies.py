@@ -56,7 +56,8 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = gb.random_checkpoint(Path(tmp) / "s", gb.SMOLLM2, torch.bfloat16, "cuda")
-        eng = gb.engine(model, "cuda", torch.bfloat16, False, max_num_seqs=max(args.batch, 8))
+        # room for the batch, at least the engine's default 64 (the batch-1 runs so far)
+        eng = gb.engine(model, "cuda", torch.bfloat16, False, max_num_seqs=max(args.batch, 64))
         graphs = eng.runner.graphs.graphs  # by size: the batch runs the smallest that holds it
         graph, _ = graphs[min(size for size in graphs if size >= args.batch)]
         for kind, kw in KINDS.items():
