@@ -1,9 +1,31 @@
 """pagedllm: LLM text generation with a paged KV cache and continuous batching, served by
 NVIDIA Triton Inference Server."""
 
-from pagedllm.llm import LLM
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.llm import LLM
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+# NOTE: imported on first use, not here: the Triton models that only tokenize, detokenize or
+# translate a client's contract import pagedllm's serving modules, and torch (2-3 s of CPU and
+# a few hundred MB in each of their stub processes) is for the engine's alone.
+_HOMES = {
+    "LLM": "pagedllm.llm",
+    "CompletionOutput": "pagedllm.outputs",
+    "RequestOutput": "pagedllm.outputs",
+    "SamplingParams": "pagedllm.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import re
 
-import torch
-
 from pagedllm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +29,8 @@ def resolve_device(device: str) -> str:
     it and logged with the reason: "auto" takes the current CUDA device when torch sees one,
     else the CPU; "cuda" is the current CUDA device. A CUDA device that is not there is a
     ConfigError, not a torch traceback."""
+    import torch  # here: the serving modules that only check a spelling need no torch
+
     name = check_device(device)
     if name == "cpu":
         logger.info("device cpu")

@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import TYPE_CHECKING
 
-from pagedllm.config import EngineConfig, check_device
 from pagedllm.convert import to_bool
+from pagedllm.device import check_device
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
 
 # prompts longer than this many UTF-8 bytes are refused before they are tokenized (a huge
 # prompt would hold the tokenizer for seconds only to be refused for its length)
@@ -124,6 +128,8 @@ def set_visible_gpus(gpus: str) -> None:
 def engine_config(parameters: dict[str, str], device: str | None = None) -> EngineConfig:
     """The engine's settings; `device` (default: `instance_device` of a KIND_CPU instance) is
     resolved by EngineConfig.create."""
+    from pagedllm.config import EngineConfig  # torch: the engine's model alone imports it
+
     device = instance_device(parameters) if device is None else device
 
     def get(name: str, default: str) -> str:

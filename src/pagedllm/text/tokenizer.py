@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from pagedllm.config import ConfigError
+from pagedllm.errors import ConfigError
 
 
 def clean_up_tokenization(text: str) -> str:
