@@ -304,6 +304,7 @@ def run_engine_config(
 ) -> tuple[set[str], dict[str, Any]]:
     """settings.engine_config() under this environment, with EngineConfig.create replaced
     by a recorder: (the PAGEDLLM_* variables it looked up, what it created the config with)."""
+    from pagedllm.config import EngineConfig
     from pagedllm.serving import settings
 
     env = RecordingEnviron(environ)
@@ -313,7 +314,7 @@ def run_engine_config(
         created.update(kwargs, model_dir=model_dir)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(settings.EngineConfig, "create", staticmethod(create))
+        mp.setattr(EngineConfig, "create", staticmethod(create))
         mp.setattr(settings.os, "environ", env)
         settings.engine_config(parameters)
     assert created, "engine_config did not create an EngineConfig"
