@@ -32,7 +32,6 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.convert import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
-from pagedllm.serving.engine_model import EngineModel  # noqa: E402
 from pagedllm.serving.metrics import (  # noqa: E402
     CACHE_CONFIG_INFO,
     COUNTERS,
@@ -152,6 +151,10 @@ class TritonPythonModel:
             set_visible_gpus(gpus)
         device = instance_device(params, kind, int(args["model_instance_device_id"]))
         exporter = _Metrics(labels) if metrics else None
+        # NOTE: imported here, not at the top: Triton also runs this file in a stub of its own
+        # to complete the config, where torch (3 s of CPU) would be imported for nothing
+        from pagedllm.serving.engine_model import EngineModel
+
         self.model = EngineModel(
             engine_config(params, device),
             on_stats=exporter,

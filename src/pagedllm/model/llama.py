@@ -96,7 +96,11 @@ class LlamaForCausalLM(nn.Module):
         self.plan, self.tp = plan, tp
         cfg = cfg if plan is None else plan.local_config(cfg)
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: given its (uninitialized) weight: nn.Embedding's own init (normal_) on the meta
+        # device imports torch._dynamo, 5 s of CPU at every engine start; the loader fills it
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -94,6 +94,17 @@ def _target(name: str) -> tuple[str, int | None] | None:
     return name, None
 
 
+def _materialize(model: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
+    """Give every (meta) parameter uninitialized storage on `device` in `dtype`, for the
+    loader to fill. NOTE: not `to_empty(...).to(dtype)`: torch's meta `empty_like` imports
+    sympy (1.3 s of CPU at every engine start), and the detour through float32 holds the
+    model twice."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            empty = torch.empty(p.shape, device=device, dtype=dtype)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+
+
 def load_model(
     model_dir: str | Path,
     cfg: ModelConfig,
@@ -109,7 +120,7 @@ def load_model(
     tensor-parallel `plan` (and its group `tp`), only this rank's shard is read and held."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, plan, tp)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     full, cfg = cfg, model.config  # the shard's sizes from here on
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

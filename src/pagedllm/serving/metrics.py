@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.engine.metrics import HISTOGRAMS
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import EngineStats
 
 # not vLLM's: pagedllm's admission control (docs/serving.md, Limits and errors)
 REJECTED = "pagedllm:requests_rejected_total"
