@@ -46,3 +46,18 @@ def test_no_stub_but_the_engine_instance_imports_torch(model: str) -> None:
 def test_the_engine_instance_does_import_torch() -> None:
     """The oracle of the test above: the same check sees torch where it is imported."""
     assert heavy_modules_imported(pagedllm_imports("llm_engine", top_level_only=False))
+
+
+def test_building_an_engine_imports_neither_dynamo_nor_sympy(checkpoints: dict[str, Path]) -> None:
+    """Each costs seconds of CPU at every engine start (torch imports them on demand: an
+    nn.Embedding initialized on the meta device, `to_empty`'s meta empty_like)."""
+    code = (
+        "import sys\n"
+        "from pagedllm import LLM\n"
+        f"llm = LLM({str(checkpoints['llama'])!r}, dtype='float32')\n"
+        "assert llm.generate(['Hello'])[0].outputs[0].token_ids\n"
+        "print(','.join(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1:] in ([], [""]), out.stdout
