@@ -9,6 +9,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,21 @@ def test_building_an_engine_imports_neither_dynamo_nor_sympy(checkpoints: dict[s
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1:] in ([], [""]), out.stdout
+
+
+SHARES_SERVER = True
+
+
+def test_a_running_server_maps_libtorch_in_the_engine_stub_alone(server: Any) -> None:
+    """The same, read from the stubs of a real server: which of them have libtorch mapped."""
+    import psutil
+
+    stubs: dict[str, list[bool]] = {}
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        script = next((a for a in proc.cmdline() if a.endswith("model.py")), None)
+        if script is not None:
+            torch_mapped = any("libtorch" in m.path for m in proc.memory_maps())
+            stubs.setdefault(Path(script).parts[-3], []).append(torch_mapped)
+    assert sorted(stubs) == MODELS
+    assert stubs.pop("llm_engine") == [True]
+    assert stubs == {model: [False] * len(v) for model, v in stubs.items()}
