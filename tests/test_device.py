@@ -15,6 +15,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.cli import main
 from pagedllm.config import ConfigError, EngineConfig, resolve_device
+from pagedllm.device import torch_is_cpu_only
 from pagedllm.layers.attention import create_attention_backend
 from pagedllm.serving import settings
 from pagedllm.serving.settings import instance_device
@@ -189,3 +190,8 @@ def test_serve_passes_the_device_to_the_engine(
     assert "argument --device: unsupported device 'gpu'; use one of auto, cpu" in (
         capsys.readouterr().err
     )
+
+
+def test_the_cpu_only_build_is_read_without_importing_torch() -> None:
+    """What `pagedllm serve` reads from torch's version.py is what torch itself says."""
+    assert torch_is_cpu_only() == (torch.version.cuda is None)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 from router_cluster import MODEL, TIMEOUT, Cluster, Replica, completion, running_cluster
 
+from pagedllm.device import torch_is_cpu_only
 from pagedllm.prepare import prepare_smollm2
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -90,6 +91,17 @@ def test_router_answers_exactly(cluster: Cluster) -> None:
     # a field the router forwards that the engine cannot honour: the gateway's clear 400
     refused = completion(cluster.router.url, "Hello", max_tokens=MAX_TOKENS, no_stop_trim=True)
     assert refused["status"] == 400 and "no_stop_trim" in refused["error"]
+
+
+@pytest.mark.skipif(not torch_is_cpu_only(), reason="a CUDA torch build: serve asks it for a GPU")
+def test_pagedllm_serve_holds_no_torch(cluster: Cluster) -> None:
+    """`pagedllm serve` (the default model, device auto) only supervises tritonserver: with a
+    CPU-only torch it picks its defaults without importing torch, which it would hold (~150 MB)
+    for as long as it serves."""
+    for r in cluster.replicas:
+        assert r.serve is not None
+        maps = psutil.Process(r.serve.pid).memory_maps()
+        assert maps and not [m.path for m in maps if "libtorch" in m.path]
 
 
 def route_of(cluster: Cluster, prompt: str) -> int:

@@ -35,7 +35,8 @@ def _openai(args: argparse.Namespace) -> int:
 
 
 def _device(value: str) -> str:
-    from pagedllm.config import ConfigError, check_device
+    from pagedllm.device import check_device
+    from pagedllm.errors import ConfigError
 
     try:
         return check_device(value)
@@ -52,10 +53,15 @@ QUANT_HELP = (
 
 def _default_quantization(args: argparse.Namespace) -> str:
     """`serve` without --quantization: the default model runs its shipped 4-bit GGUF weights on
-    a CPU (on a GPU the dense weights are faster: its int4 path decodes them per step)."""
-    import torch
+    a CPU (on a GPU the dense weights are faster: its int4 path decodes them per step). A
+    CPU-only torch build answers "auto" without importing torch (device.torch_is_cpu_only)."""
+    from pagedllm.device import torch_is_cpu_only
 
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    on_cpu = args.device == "cpu"
+    if args.device == "auto" and not (on_cpu := torch_is_cpu_only()):
+        import torch  # a CUDA build: does it see a GPU here?
+
+        on_cpu = not torch.cuda.is_available()
     return "gguf" if args.model is None and on_cpu else "none"
 
 

@@ -3,8 +3,10 @@ once, before anything uses it."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
+from pathlib import Path
 
 from pagedllm.errors import ConfigError
 
@@ -22,6 +24,17 @@ def check_device(device: str) -> str:
     if not _DEVICE.fullmatch(name):
         raise ConfigError(f"unsupported device {device!r}; use one of {DEVICES}")
     return name
+
+
+def torch_is_cpu_only() -> bool:
+    """Whether the installed torch is a CPU-only build (then "auto" is the CPU), read from its
+    `version.py` without importing torch: 2-3 s of CPU and ~150 MB, which `pagedllm serve`
+    (the supervisor of tritonserver, not its engine) would hold for as long as it serves."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True
+    text = (Path(spec.origin).parent / "version.py").read_text("utf-8")
+    return re.search(r"^cuda\b.*=\s*None\s*$", text, re.MULTILINE) is not None
 
 
 def resolve_device(device: str) -> str:
