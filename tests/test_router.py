@@ -94,14 +94,15 @@ def test_router_answers_exactly(cluster: Cluster) -> None:
 
 
 @pytest.mark.skipif(not torch_is_cpu_only(), reason="a CUDA torch build: serve asks it for a GPU")
-def test_pagedllm_serve_holds_no_torch(cluster: Cluster) -> None:
-    """`pagedllm serve` (the default model, device auto) only supervises tritonserver: with a
-    CPU-only torch it picks its defaults without importing torch, which it would hold (~150 MB)
-    for as long as it serves."""
+def test_serve_and_the_gateway_hold_no_torch(cluster: Cluster) -> None:
+    """`pagedllm serve` (the default model, device auto) only supervises tritonserver, and
+    `pagedllm openai` only translates: with a CPU-only torch neither imports it, which each
+    would hold (~150 MB) for as long as it runs."""
     for r in cluster.replicas:
-        assert r.serve is not None
-        maps = psutil.Process(r.serve.pid).memory_maps()
-        assert maps and not [m.path for m in maps if "libtorch" in m.path]
+        for proc in (r.serve, r.gateway):
+            assert proc is not None
+            maps = psutil.Process(proc.pid).memory_maps()
+            assert maps and not [m.path for m in maps if "libtorch" in m.path], proc.args
 
 
 def route_of(cluster: Cluster, prompt: str) -> int:
