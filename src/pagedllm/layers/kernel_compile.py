@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-import pagedllm
 from pagedllm.layers.kernel_workloads import workloads
 
 
@@ -65,7 +64,7 @@ def discover_kernels() -> dict[str, Any]:
     from triton.runtime.jit import JITFunction
 
     kernels: dict[str, Any] = {}
-    root = Path(pagedllm.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the pagedllm package
     for info in pkgutil.walk_packages([str(root)], "pagedllm."):
         path = root.joinpath(*info.name.split(".")[1:])
         source = path / "__init__.py" if info.ispkg else path.with_suffix(".py")
