@@ -33,8 +33,10 @@ def torch_is_cpu_only() -> bool:
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         return True
-    text = (Path(spec.origin).parent / "version.py").read_text("utf-8")
-    return re.search(r"^cuda\b.*=\s*None\s*$", text, re.MULTILINE) is not None
+    path = Path(spec.origin).parent / "version.py"
+    build: dict[str, object] = {}
+    exec(compile(path.read_text("utf-8"), str(path), "exec"), build)  # a few assignments
+    return build.get("cuda") is None and build.get("hip") is None  # ROCm: GPUs as "cuda"
 
 
 def resolve_device(device: str) -> str:

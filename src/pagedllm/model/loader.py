@@ -99,10 +99,13 @@ def _materialize(model: torch.nn.Module, device: str, dtype: torch.dtype) -> Non
     loader to fill. NOTE: not `to_empty(...).to(dtype)`: torch's meta `empty_like` imports
     sympy (1.3 s of CPU at every engine start), and the detour through float32 holds the
     model twice."""
+    made: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays shared
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            empty = torch.empty(p.shape, device=device, dtype=dtype)
-            setattr(module, name, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+            if id(p) not in made:
+                empty = torch.empty(p.shape, device=device, dtype=dtype)
+                made[id(p)] = torch.nn.Parameter(empty, requires_grad=p.requires_grad)
+            setattr(module, name, made[id(p)])
 
 
 def load_model(
