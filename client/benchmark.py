@@ -43,6 +43,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from client import cpu
 from client.served import log, run_served
 from client.stream import DEFAULT_MODEL, ClientError
 
@@ -75,6 +76,8 @@ DEFINITIONS = {
     "c requests decoding together each engine step yields c tokens, so c/tokens_per_s is the "
     "time per step, i.e. per generated token of one request: this is how much longer that is "
     "when served than offline",
+    "serving_cpu_s": "CPU seconds of the served run outside the llm_engine stub: tritonserver, "
+    "the other models' stubs and this client (client/cpu.py; a server started here only)",
     "max_streaming": "the largest number of requests that had received their first response "
     "but not their final one at the same moment (c when the server interleaves them)",
 }
@@ -108,14 +111,16 @@ def run_offline(
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     hits = llm.engine.stats().prefix_cache_hits
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu.own_cpu()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    cpu_s = cpu.own_cpu() - cpu_start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     summary = {
         "seconds": round(seconds, 3),
         "output_tokens": output_tokens,
         "tokens_per_s": round(output_tokens / seconds, 2),
+        "cpu_s": round(cpu_s, 2),
         "prefix_cache_hit_tokens": llm.engine.stats().prefix_cache_hits - hits,
         "dtype": str(llm.engine.config.dtype).removeprefix("torch."),
     }
@@ -159,6 +164,9 @@ def level_report(
 ) -> dict[str, Any]:
     served_tps = served["tokens_per_s"]
     offline_tps = offline["tokens_per_s"] if offline else None
+    serving = None
+    if "cpu_s" in served:
+        serving = round(sum(v for k, v in served["cpu_s"].items() if k != "stub:llm_engine"), 2)
     return {
         "concurrency": c,
         "served_tokens_per_s": served_tps,
@@ -169,6 +177,10 @@ def level_report(
         "tpot_ms": served["tpot_ms"],
         "per_token_overhead_ms": (
             round((1 / served_tps - 1 / offline_tps) * c * 1000, 2) if offline_tps else None
+        ),
+        "serving_cpu_s": serving,
+        "serving_cpu_ms_per_token": (
+            round(serving / served["output_tokens"] * 1000, 3) if serving is not None else None
         ),
         "served_texts_equal_offline": matches,
         "served": served,
@@ -284,9 +296,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rounds = []
             for _ in range(args.rounds):
                 c, prompts = level
+                before = (cpu.group_cpu(pgid), cpu.own_cpu()) if pgid is not None else None
                 [(summary, texts)] = run_served(
                     url, args.model, [level], [warm], args.max_tokens, args.timeout
                 )
+                if before is not None and pgid is not None:
+                    summary["cpu_s"] = cpu.spent(before[0], cpu.group_cpu(pgid))
+                    summary["cpu_s"]["client"] = round(cpu.own_cpu() - before[1], 2)
                 offline, matches = None, None
                 if not args.no_offline:
                     with paused(pgid):

@@ -116,6 +116,9 @@ def test_benchmark_tiny(server: TritonServer, checkpoints: dict[str, Path], tmp_
         assert served["responses_per_request"] >= 8
         assert 1 <= served["max_streaming"] <= c
         assert offline["prefix_cache_hit_tokens"] == 0
+        assert offline["cpu_s"] > 0
+        # --url: not the benchmark's own server, whose processes it would count
+        assert "cpu_s" not in served and r["serving_cpu_s"] is None
         assert r["served_tokens_per_s"] > 0 and r["offline_tokens_per_s"] > 0
         assert r["ratio"] == pytest.approx(
             r["served_tokens_per_s"] / r["offline_tokens_per_s"], 1e-2
@@ -128,3 +131,24 @@ def test_benchmark_tiny(server: TritonServer, checkpoints: dict[str, Path], tmp_
     assert report["server"]["stream_interval"] is None  # --url: the server's own setting
     code, _, err = run("client.benchmark", "--url", server.grpc_url, "--stream-interval", "2")
     assert code == 2 and "sets a server started here" in err
+
+
+def test_benchmark_counts_its_own_servers_cpu(checkpoints: dict[str, Path]) -> None:
+    """Started by the benchmark, the server's processes are counted per model: the CPU of
+    the served run, outside the engine too (serving_cpu_s: tritonserver, the text models'
+    stubs, the client)."""
+    code, out, err = run(
+        "client.benchmark", "--model-dir", str(checkpoints["llama"]), "--dtype", "float32",
+        "--concurrency", "2", "--num-requests", "4", "--max-tokens", "8", "--prompt-len", "16",
+        "--no-offline",
+    )  # fmt: skip
+    assert code == 0, err
+    [r] = json.loads(out)["results"]
+    cpu_s = r["served"]["cpu_s"]
+    assert {"tritonserver", "stub:llm_engine", "stub:tokenizer", "stub:detokenizer", "client"} <= (
+        set(cpu_s)
+    )
+    assert cpu_s["stub:llm_engine"] > 0 and cpu_s["client"] > 0
+    serving = sum(v for k, v in cpu_s.items() if k != "stub:llm_engine")
+    assert r["serving_cpu_s"] == pytest.approx(serving, abs=0.02)
+    assert r["serving_cpu_ms_per_token"] == pytest.approx(serving / (4 * 8) * 1000, rel=0.01)
