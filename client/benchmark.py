@@ -13,9 +13,10 @@ repeats every level R times and reports the median ratio.
 
 Workload per level: N requests (--num-requests, default 4 x concurrency and at least 8), at
 most c in flight, greedy, ignore_eos, so every request produces exactly --max-tokens tokens.
-Each level gets its own prompts of --prompt-len tokens made of random words: no two prompts
-share a first KV block (16 tokens), so neither the server's prefix cache (which lives across
-levels) nor the offline engine's gets hits; the offline run reports its hit count to show it.
+Each level, and each round of it, gets its own prompts of --prompt-len tokens made of random
+words: no two prompts share a first KV block (16 tokens), so neither the server's prefix
+cache (which lives across levels and rounds) nor the offline engine's gets hits; both runs
+report their hit counts to show it (the served one from the metrics of a server started here).
 One short request warms the server up before each level; one short generate warms each
 offline engine up.
 
@@ -39,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -182,10 +184,14 @@ def level_report(
         "serving_cpu_ms_per_token": (
             round(serving / served["output_tokens"] * 1000, 3) if serving is not None else None
         ),
+        "served_prefix_cache_hit_tokens": served.get("prefix_cache_hit_tokens"),
         "served_texts_equal_offline": matches,
         "served": served,
         "offline": offline,
     }
+
+
+HITS = ("served_prefix_cache_hit_tokens",)
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,17 +202,18 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     report = dict(ordered[(len(ordered) - 1) // 2])
     if len(rounds) > 1:
         report["rounds"] = [
-            {k: r[k] for k in ("served_tokens_per_s", "offline_tokens_per_s", "ratio")}
+            {k: r[k] for k in ("served_tokens_per_s", "offline_tokens_per_s", "ratio", *HITS)}
             for r in rounds
         ]
     return report
 
 
 @contextlib.contextmanager
-def server_url(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
-    """(gRPC url, process group of a server started here, or None for --url)."""
+def server_url(args: argparse.Namespace) -> Iterator[tuple[str, int | None, str | None]]:
+    """(gRPC url, process group and metrics url of a server started here: None, None for
+    --url)."""
     if args.url:
-        yield args.url, None
+        yield args.url, None, None
         return
     from pagedllm.serving.launcher import make_server
 
@@ -216,8 +223,19 @@ def server_url(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     log(f"starting tritonserver (log: {server.log_path}) ...")
     with server:
         assert server.process is not None
-        yield server.grpc_url, server.process.pid  # its own process group, with the stubs
+        # its own process group, with the stubs
+        yield server.grpc_url, server.process.pid, server.metrics_url
     log("tritonserver stopped")
+
+
+def prefix_cache_hits(metrics_url: str | None) -> int | None:
+    """The server's prompt tokens found in its prefix cache so far (None: no metrics url)."""
+    if metrics_url is None:
+        return None
+    with urllib.request.urlopen(metrics_url, timeout=10) as page:
+        lines = page.read().decode().splitlines()
+    name = "vllm:prefix_cache_hits_total"
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines if line.startswith(name))
 
 
 @contextlib.contextmanager
@@ -287,22 +305,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     levels, warmups = [], []
     for k, c in enumerate(args.concurrency):
         n = args.num_requests or max(4 * c, 8)
-        levels.append((c, make_prompts(tokenizer, n, args.prompt_len, seed=1000 * (k + 1))))
+        # each round its own prompts: a round must not hit the prefix cache the server kept
+        # from the one before (the offline engine starts empty every round)
+        rounds = [
+            make_prompts(tokenizer, n, args.prompt_len, 1000 * (k + 1) + r)
+            for r in range(args.rounds)
+        ]
+        levels.append((c, rounds))
         warmups.append(make_prompts(tokenizer, 1, 8, seed=k)[0])
 
     results = []
-    with server_url(args) as (url, pgid):
-        for level, warm in zip(levels, warmups, strict=True):
-            rounds = []
-            for _ in range(args.rounds):
-                c, prompts = level
+    with server_url(args) as (url, pgid, metrics_url):
+        for (c, prompt_sets), warm in zip(levels, warmups, strict=True):
+            reports = []
+            for prompts in prompt_sets:
                 before = (cpu.group_cpu(pgid), cpu.own_cpu()) if pgid is not None else None
+                hits = prefix_cache_hits(metrics_url)
                 [(summary, texts)] = run_served(
-                    url, args.model, [level], [warm], args.max_tokens, args.timeout
+                    url, args.model, [(c, prompts)], [warm], args.max_tokens, args.timeout
                 )
                 if before is not None and pgid is not None:
                     summary["cpu_s"] = cpu.spent(before[0], cpu.group_cpu(pgid))
                     summary["cpu_s"]["client"] = round(cpu.own_cpu() - before[1], 2)
+                if hits is not None:
+                    time.sleep(0.5)  # the engine's last stats reach the metrics a bit later
+                    summary["prefix_cache_hit_tokens"] = (
+                        prefix_cache_hits(metrics_url) or 0
+                    ) - hits
                 offline, matches = None, None
                 if not args.no_offline:
                     with paused(pgid):
@@ -312,8 +341,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                     matches = sum(a == b for a, b in zip(texts, offline_texts, strict=True))
                     log(f"offline: concurrency {c}: {offline['tokens_per_s']} tok/s")
-                rounds.append(level_report(c, summary, offline, matches))
-            results.append(median_round(rounds))
+                reports.append(level_report(c, summary, offline, matches))
+            results.append(median_round(reports))
 
     return {
         "model_dir": args.model_dir,
@@ -331,8 +360,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "prompt_len": args.prompt_len,
             "sampling": "greedy (temperature 0), ignore_eos: every request gives max_tokens",
-            "prompts": "random words, distinct per request and per level: no shared KV block, "
-            "no prefix-cache hits",
+            "prompts": "random words, distinct per request, per level and per round: no shared "
+            "KV block, no prefix-cache hits",
         },
         "definitions": DEFINITIONS,
         "results": results,

@@ -136,14 +136,17 @@ def test_benchmark_tiny(server: TritonServer, checkpoints: dict[str, Path], tmp_
 def test_benchmark_counts_its_own_servers_cpu(checkpoints: dict[str, Path]) -> None:
     """Started by the benchmark, the server's processes are counted per model: the CPU of
     the served run, outside the engine too (serving_cpu_s: tritonserver, the text models'
-    stubs, the client)."""
+    stubs, the client); and its prefix-cache hits, from its metrics."""
     code, out, err = run(
         "client.benchmark", "--model-dir", str(checkpoints["llama"]), "--dtype", "float32",
         "--concurrency", "2", "--num-requests", "4", "--max-tokens", "8", "--prompt-len", "16",
-        "--no-offline",
+        "--no-offline", "--rounds", "2",
     )  # fmt: skip
     assert code == 0, err
     [r] = json.loads(out)["results"]
+    # each round its own prompts (16 tokens: one full KV block each), so no round hits what
+    # the server cached in the round before
+    assert [x["served_prefix_cache_hit_tokens"] for x in r["rounds"]] == [0, 0]
     cpu_s = r["served"]["cpu_s"]
     assert {"tritonserver", "stub:llm_engine", "stub:tokenizer", "stub:detokenizer", "client"} <= (
         set(cpu_s)
