@@ -161,6 +161,9 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+HITS = "served_prefix_cache_hit_tokens"  # each round's: 0 unless the rounds shared prompts
+
+
 def level_report(
     c: int, served: dict[str, Any], offline: dict[str, Any] | None, matches: int | None
 ) -> dict[str, Any]:
@@ -184,14 +187,11 @@ def level_report(
         "serving_cpu_ms_per_token": (
             round(serving / served["output_tokens"] * 1000, 3) if serving is not None else None
         ),
-        "served_prefix_cache_hit_tokens": served.get("prefix_cache_hit_tokens"),
+        HITS: served.get("prefix_cache_hit_tokens"),
         "served_texts_equal_offline": matches,
         "served": served,
         "offline": offline,
     }
-
-
-HITS = ("served_prefix_cache_hit_tokens",)
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -202,7 +202,7 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     report = dict(ordered[(len(ordered) - 1) // 2])
     if len(rounds) > 1:
         report["rounds"] = [
-            {k: r[k] for k in ("served_tokens_per_s", "offline_tokens_per_s", "ratio", *HITS)}
+            {k: r[k] for k in ("served_tokens_per_s", "offline_tokens_per_s", "ratio", HITS)}
             for r in rounds
         ]
     return report

@@ -1,5 +1,7 @@
 """CPU seconds a run costs, per process: the server's (tritonserver and each model's stubs,
-found by process group in /proc) and this process's own. Linux only; elsewhere, nothing."""
+found by process group in /proc: Linux only) and this process's own. A process that ends
+between two readings takes its CPU seconds with it: the server's processes live as long as
+the server."""
 
 from __future__ import annotations
 
