@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from pagedllm.serving.launcher import make_server
+from pagedllm.serving.tritonserver import stub_model
 
 
 def process_memory(pid: int) -> dict[str, dict[str, float]]:
@@ -33,9 +34,8 @@ def process_memory(pid: int) -> dict[str, dict[str, float]]:
     found: dict[str, dict[str, float]] = {}
     server = psutil.Process(pid)
     for proc in [server, *server.children(recursive=True)]:
-        cmd = proc.cmdline()
-        script = next((Path(a) for a in cmd if a.endswith("model.py")), None)
-        name = "tritonserver" if proc.pid == pid else script.parts[-3] if script else proc.name()
+        model = stub_model(proc.cmdline())
+        name = "tritonserver" if proc.pid == pid else model or proc.name()
         key, n = name, 1
         while key in found:
             n += 1

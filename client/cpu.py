@@ -9,14 +9,17 @@ import os
 import resource
 from pathlib import Path
 
+from pagedllm.serving.tritonserver import stub_model
+
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _label(cmdline: list[str]) -> str:
     """`tritonserver`, or `stub:<model>` for a Python-backend stub (its first argument is the
     model's model.py: .../<model>/<version>/model.py)."""
-    if cmdline and cmdline[0].endswith("triton_python_backend_stub") and len(cmdline) > 1:
-        return "stub:" + Path(cmdline[1]).parents[1].name
+    model = stub_model(cmdline)
+    if model is not None:
+        return "stub:" + model
     return Path(cmdline[0]).name if cmdline else "?"
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from pagedllm.serving.tritonserver import stub_model
+
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = sorted(p.name for p in REPO.iterdir() if (p / "1" / "model.py").exists())
 
@@ -73,10 +75,10 @@ def test_a_running_server_maps_libtorch_in_the_engine_stub_alone(server: Any) ->
 
     stubs: dict[str, list[bool]] = {}
     for proc in psutil.Process(server.process.pid).children(recursive=True):
-        script = next((a for a in proc.cmdline() if a.endswith("model.py")), None)
-        if script is not None:
+        model = stub_model(proc.cmdline())
+        if model is not None:
             torch_mapped = any("libtorch" in m.path for m in proc.memory_maps())
-            stubs.setdefault(Path(script).parts[-3], []).append(torch_mapped)
+            stubs.setdefault(model, []).append(torch_mapped)
     assert sorted(stubs) == MODELS
     assert stubs.pop("llm_engine") == [True]
     assert stubs == {model: [False] * len(v) for model, v in stubs.items()}

@@ -57,6 +57,14 @@ _STUB = "triton_python_backend_stub"
 CPU_QUIET_ARGS = ("--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false")
 
 
+def stub_model(cmdline: Sequence[str]) -> str | None:
+    """The model a Python-backend stub process serves, from its command line (the stub, then
+    the model's .../<model>/<version>/model.py); None for any other process."""
+    if len(cmdline) > 1 and Path(cmdline[0]).name == _STUB and cmdline[1].endswith("model.py"):
+        return Path(cmdline[1]).parents[1].name
+    return None
+
+
 def find_pytriton() -> Path:
     """Return the ``pytriton/tritonserver`` directory of the installed ``nvidia-pytriton`` wheel:
     ``bin/tritonserver``, ``backends/python`` and ``python_backend_stubs/<X.Y>/`` live there, the
