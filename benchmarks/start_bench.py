@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from pagedllm.serving.launcher import make_server
-from pagedllm.serving.tritonserver import stub_model
+from pagedllm.serving.pytriton_wheel import stub_model
 
 
 def process_memory(pid: int) -> dict[str, dict[str, float]]:

@@ -9,7 +9,7 @@ import os
 import resource
 from pathlib import Path
 
-from pagedllm.serving.tritonserver import stub_model
+from pagedllm.serving.pytriton_wheel import stub_model
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -146,13 +146,8 @@ def test_the_container_command_drains_on_sigterm(slow_checkpoint: Path, tmp_path
     import subprocess
 
     from pagedllm.serving.launcher import ENSEMBLE_CONFIG, MODEL_REPOSITORY, stub_sys_path
-    from pagedllm.serving.tritonserver import (
-        find_pytriton,
-        free_port,
-        prepare_backend_dir,
-        server_command,
-        server_env,
-    )
+    from pagedllm.serving.pytriton_wheel import find_pytriton, prepare_backend_dir, server_env
+    from pagedllm.serving.tritonserver import free_port, server_command
 
     ports: set[int] = set()
     while len(ports) < 3:

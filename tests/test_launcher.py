@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm.cli import main
-from pagedllm.serving import tritonserver
+from pagedllm.serving import pytriton_wheel, tritonserver
 from pagedllm.serving.launcher import make_server, new_log_file
 from pagedllm.serving.tritonserver import CPU_QUIET_ARGS, TritonServer, free_port
 
@@ -113,7 +113,7 @@ def test_a_port_taken_after_the_check_fails_the_start(
     (tmp_path / "repo").mkdir()
     empty = TritonServer(  # no models: up or down within a second
         [tmp_path / "repo"],
-        tritonserver.prepare_backend_dir(tmp_path / "backends"),
+        pytriton_wheel.prepare_backend_dir(tmp_path / "backends"),
         log_path=tmp_path / "tritonserver.log",
         ports=(ports["http"], ports["grpc"], ports["metrics"]),
         extra_args=CPU_QUIET_ARGS,

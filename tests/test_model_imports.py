@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.serving.tritonserver import stub_model
+from pagedllm.serving.pytriton_wheel import stub_model
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = sorted(p.name for p in REPO.iterdir() if (p / "1" / "model.py").exists())

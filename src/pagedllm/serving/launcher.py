@@ -16,7 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pagedllm.serving.tritonserver import TritonServer, prepare_backend_dir
+from pagedllm.serving.pytriton_wheel import prepare_backend_dir
+from pagedllm.serving.tritonserver import TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
