@@ -39,8 +39,9 @@ def _kernel_max_rows(flags: set[str]) -> dict[str, int | None]:
     """Up to how many rows of x a CPU linear runs the C++ kernels (one pass over the weights
     per call); past it, oneDNN's matmul (on the weight decoded once, for quantized weights) is
     faster. Where depends on the CPU (benchmarks/gemv_bench.py, kernel vs fallback columns):
-    - AVX2 only (AMD EPYC Zen 3): fp32 up to 64 rows; 16-bit always (oneDNN's bf16 matmul has
-      no fast path there and is 4x slower at any size);
+    - AVX2 only (AMD EPYC Zen 3): up to 64 rows, fp32 and 16-bit; past it a 16-bit weight is
+      multiplied in fp32 (`FAST_16BIT_MATMUL`), 1.4x the kernel at 128 rows and 2.1-2.5x at
+      256-512 (oneDNN's own bf16 matmul has no fast path there: 3-4x slower than the kernel);
     - AVX-512 (Intel Xeon): the kernel's 4 x 4 tiles keep up with PyTorch's fp32 GEMM to
       about 48 rows (1.15x at 32, 0.94x at 64), and with AVX-512 BF16 / AMX oneDNN's bf16
       matmul passes the kernel past 8 rows (2x at 32);
@@ -48,16 +49,23 @@ def _kernel_max_rows(flags: set[str]) -> dict[str, int | None]:
       packed ones (AVX-512 VNNI) always: 4-5x faster than the fallback at 128 and 256 rows,
       and 1.6x faster than oneDNN on the weight decoded beforehand."""
     avx512 = "avx512f" in flags
-    bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
     return {
         "fp32": 48 if avx512 else 64,
         "quantized": 128,
         "packed": None,
-        "16-bit": 8 if bf16 else None,
+        "16-bit": 8 if _fast_16bit(flags) else 64,
     }
 
 
+def _fast_16bit(flags: set[str]) -> bool:
+    """Whether oneDNN multiplies bf16 / fp16 matrices natively on this CPU (AVX-512 BF16, AMX).
+    Elsewhere it emulates them, 3-4x slower than the fp32 matmul over the same shapes."""
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 KERNEL_MAX_ROWS = _kernel_max_rows(cpu_kernels.cpu_flags())
+# False: past the kernels' rows, a CPU matmul with 16-bit x runs in fp32 (`_matmul`)
+FAST_16BIT_MATMUL = _fast_16bit(cpu_kernels.cpu_flags())
 
 
 @dataclass(frozen=True)
@@ -247,7 +255,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
             out = module.linear_dense(x, w, bias)  # on both cores (oneDNN's GEMV runs on one)
             if out is not None:
                 return out
-        return F.linear(x, w, bias)
+        return _matmul(x, w, bias)
     if few_rows and module is not None:
         if w.bits == 8:
             out = module.linear_int8(x, w.qweight, w.scales, bias)
@@ -255,7 +263,22 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
             out = module.linear_int4(x, w.qweight, w.scales, w.mins, bias)
         if out is not None:
             return out
-    return F.linear(round_activations(x), _dense(w, x.dtype, module), bias)
+    dtype = torch.float32 if _in_fp32(x) else x.dtype
+    return _matmul(round_activations(x), _dense(w, dtype, module), bias)
+
+
+def _in_fp32(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype != torch.float32 and not FAST_16BIT_MATMUL
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; on a CPU without a native 16-bit matmul, 16-bit x times the weight in fp32
+    (the weight converted per call: at the rows that come here, a prefill's, the conversion
+    is a few percent of the matmul), y rounded back to x's dtype."""
+    if not _in_fp32(x):
+        return F.linear(x, w, bias)
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w.float(), b).to(x.dtype)
 
 
 def packs_on_cpu() -> bool:
