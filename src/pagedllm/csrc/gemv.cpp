@@ -6,8 +6,8 @@
 // Rows of W are spread over threads, each thread reading its rows front to back (one
 // sequential stream: interleaving several rows starves the hardware prefetcher). Each group of
 // W is converted to fp32 lanes in registers and multiplied with up to 8 rows of x at once;
-// on AVX-512, two or more rows of x go through 4 x 4 tiles (four rows of W against four of x,
-// FMA-bound rather than load-bound). Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a
+// from `kTileRows` rows of x on, tiles: four rows of W against four of x on AVX-512, three
+// on 8 lanes (FMA-bound rather than load-bound). Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a
 // multiple of 32 (callers fall back to PyTorch otherwise).
 
 namespace {
@@ -17,9 +17,16 @@ namespace {
 // few KiB (Intel with AVX-512: lm_head 16 -> 21 GB/s in fp32, benchmarks/gemv_bench.py).
 constexpr int64_t kPrefetchBytes = 8192;
 
-// From how many rows of x gemm_small takes the 4 x 4 tiles (gemm_blocks): already at 2 they
-// pass gemv_rows a little, at 32 by 1.7x (benchmarks/gemv_bench.py, fp32 on AVX-512).
+// From how many rows of x gemm_small takes the tiles (gemm_blocks). AVX-512's 4 x 4: already
+// at 2 they pass gemv_rows a little, at 32 by 1.7x (benchmarks/gemv_bench.py, fp32). AVX2's
+// 4 x 3 (AMD EPYC Zen 3, fp32): 1.1-1.4x at 16 rows, 1.4-1.7x at 32, but at 8 and fewer,
+// where memory rather than the FMAs sets the pace, gemv_rows's one sequential stream per
+// thread wins on the tall lm_head (8.6 against 9.6 ms at 8 rows).
+#if defined(__AVX512F__)
 constexpr int64_t kTileRows = 2;
+#else
+constexpr int64_t kTileRows = 12;
+#endif
 
 template <typename T>
 inline void prefetch_group(const T* p) {
@@ -169,17 +176,62 @@ void gemm_blocks(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64
     }
   }
 }
+#else
+// 8 lanes (AVX2): four rows of W against MX <= 3 rows of x: the 12 sums and the four rows'
+// vectors fill the 16 registers, x comes into the FMAs from L1. 7 loads per 12 FMAs, where
+// gemv_rows<8> needs 9 per 8: the FMAs, not the loads, set the pace (1.5-2x at 32 rows).
+// Prefetches the next block as the AVX-512 tile does.
+template <int MX, typename T>
+void gemm_tile(const T* w, int64_t k, const float* x, float* out, int64_t phase,
+               int64_t period) {
+  v8 acc[MX][4];
+  for (int r = 0; r < MX; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = zero8();
+  for (int64_t i = 0, step = 0; i < k; i += 8, ++step) {
+    v8 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = load8(w + c * k + i);
+    if (step % period == phase)
+      for (int c = 0; c < 4; ++c) __builtin_prefetch(w + (c + 4) * k + i, 0, 2);
+    for (int r = 0; r < MX; ++r) {
+      const v8 xv = load8(x + r * k + i);
+      for (int c = 0; c < 4; ++c) acc[r][c] = fma8(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MX; ++r)
+    for (int c = 0; c < 4; ++c) out[4 * r + c] = hsum8(acc[r][c]);
+}
+
+// As the AVX-512 gemm_blocks, with the rows of x three at a time.
+template <typename T>
+void gemm_blocks(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n,
+                 int64_t b0, int64_t b1, float* y) {
+  float out[12];
+  const int64_t passes = (m + 2) / 3;
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* wb = w.w + 4 * b * k;
+    for (int64_t i0 = 0; i0 < m; i0 += 3) {
+      const int64_t rows = std::min<int64_t>(3, m - i0), pass = i0 / 3;
+      const float* xs = x + i0 * k;
+      switch (rows) {
+        case 1: gemm_tile<1>(wb, k, xs, out, pass, passes); break;
+        case 2: gemm_tile<2>(wb, k, xs, out, pass, passes); break;
+        default: gemm_tile<3>(wb, k, xs, out, pass, passes);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 4; ++c) y[(i0 + r) * n + 4 * b + c] = out[4 * r + c];
+    }
+  }
+}
 #endif
 
 // y (m, n) fp32 = x (m, k) fp32 @ W^T for a dense W, rows of W spread over threads: one row
-// of x streams W a row at a time (bandwidth-bound); more go through gemm_blocks (AVX-512),
-// where the FMAs bound it.
+// of x streams W a row at a time (bandwidth-bound); from kTileRows on they go through
+// gemm_blocks, where the FMAs bound it.
 template <typename T>
 void gemm_small(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n, float* y) {
   // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (k * static_cast<int64_t>(sizeof(T))));
-#if defined(__AVX512F__)
-  if (m >= kTileRows && k % 16 == 0) {
+  if (m >= kTileRows && k % kLanesW == 0) {
     const int64_t blocks = n / 4;
     parallel_chunks(0, blocks, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
       gemm_blocks(w, x, m, k, n, b0, b1, y);
@@ -187,7 +239,6 @@ void gemm_small(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_
     if (n % 4) gemv_block(w, x, m, k, n, 4 * blocks, n, y);
     return;
   }
-#endif
   parallel_for_rows(m, 0, n, grain,
                     [&](int64_t r0, int64_t r1) { gemv_block(w, x, m, k, n, r0, r1, y); });
 }
