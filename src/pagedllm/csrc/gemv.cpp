@@ -7,8 +7,8 @@
 // sequential stream: interleaving several rows starves the hardware prefetcher). Each group of
 // W is converted to fp32 lanes in registers and multiplied with up to 8 rows of x at once;
 // from `kTileRows` rows of x on, tiles: four rows of W against four of x on AVX-512, three
-// on 8 lanes (FMA-bound rather than load-bound). Sums in fp32; x and y in fp32 / bf16 / fp16. K must be a
-// multiple of 32 (callers fall back to PyTorch otherwise).
+// on 8 lanes (FMA-bound rather than load-bound). Sums in fp32; x and y in fp32 / bf16 /
+// fp16. K must be a multiple of 32 (callers fall back to PyTorch otherwise).
 
 namespace {
 
@@ -179,7 +179,7 @@ void gemm_blocks(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64
 #else
 // 8 lanes (AVX2): four rows of W against MX <= 3 rows of x: the 12 sums and the four rows'
 // vectors fill the 16 registers, x comes into the FMAs from L1. 7 loads per 12 FMAs, where
-// gemv_rows<8> needs 9 per 8: the FMAs, not the loads, set the pace (1.5-2x at 32 rows).
+// gemv_rows<8> needs 9 per 8: the FMAs, not the loads, set the pace (1.4-1.7x at 32 rows).
 // Prefetches the next block as the AVX-512 tile does.
 template <int MX, typename T>
 void gemm_tile(const T* w, int64_t k, const float* x, float* out, int64_t phase,
