@@ -120,7 +120,7 @@ def test_packed_weights_hold_the_same_values(name: str) -> None:
 
 @pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="no C++ toolchain")
 @pytest.mark.parametrize("path", ["kernels", "fallback"])
-@pytest.mark.parametrize("rows", [1, 3, 6, 17, 65, 129])
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 17, 65, 129])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(67, 64), (33, 96), (48, 96), (5, 576), (130, 1536)])
 def test_linear_matches_dequantize_then_matmul(

@@ -128,101 +128,72 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v));
 }
 
-// Four rows of W (from w, k apart) against MX <= 4 rows of x: out[4r + c] = x_r . w_c. Each
-// 16-lane step loads 4 + MX vectors for 4 * MX FMAs (gemv_rows loads 1 + M for M): with
-// several rows of x the FMAs, not the loads, set the pace. Meanwhile it prefetches into L2
-// the next four rows' lines of every `period`-th step from `phase`: the passes of all rows
-// of x over one block share the next block's reads, so memory works while the FMAs do.
+// out[c] = the sum of a[c]'s lanes, c < 4.
+inline void sums4(const __m512* a, float* out) {
+  _mm_storeu_ps(out, hsum4(a[0], a[1], a[2], a[3]));
+}
+#else
+inline void sums4(const vw* a, float* out) {
+  for (int c = 0; c < 4; ++c) out[c] = hsum8(a[c]);
+}
+#endif
+
+// Rows of x per tile: four rows of W against four of x take 16 sums and 4 of the 32 vector
+// registers of AVX-512; on 8 lanes (AVX2: 16 registers) three, 12 sums.
+#if defined(__AVX512F__)
+constexpr int kTileX = 4;
+#else
+constexpr int kTileX = 3;
+#endif
+
+// Four rows of W (from w, k apart) against MX <= kTileX rows of x: out[4r + c] = x_r . w_c.
+// Each step of kLanesW loads 4 + MX vectors for 4 * MX FMAs (gemv_rows loads 1 + M for M):
+// with several rows of x the FMAs, not the loads, set the pace (AVX2 at 32 rows: 1.4-1.7x
+// gemv_rows). Meanwhile it prefetches into L2 the next four rows' lines of every `period`-th
+// step from `phase`: the passes of all rows of x over one block share the next block's
+// reads, so memory works while the FMAs do.
 template <int MX, typename T>
 void gemm_tile(const T* w, int64_t k, const float* x, float* out, int64_t phase,
                int64_t period) {
-  __m512 acc[MX][4];
+  vw acc[MX][4];
   for (int r = 0; r < MX; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t i = 0, step = 0; i < k; i += 16, ++step) {
-    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) acc[r][c] = zerow();
+  for (int64_t i = 0, step = 0; i < k; i += kLanesW, ++step) {
+    vw wv[4];
     for (int c = 0; c < 4; ++c) wv[c] = loadw(w + c * k + i);
     if (step % period == phase)
       for (int c = 0; c < 4; ++c) __builtin_prefetch(w + (c + 4) * k + i, 0, 2);
     for (int r = 0; r < MX; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * k + i);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+      const vw xv = loadw(x + r * k + i);
+      for (int c = 0; c < 4; ++c) acc[r][c] = fmaw(wv[c], xv, acc[r][c]);
     }
   }
-  for (int r = 0; r < MX; ++r)
-    _mm_storeu_ps(out + 4 * r, hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  for (int r = 0; r < MX; ++r) sums4(acc[r], out + 4 * r);
 }
 
-// Rows [4 * b0, 4 * b1) of y (m, n): each block of four rows of W against the rows of x four
-// at a time (the block, 4 rows of K, stays in L1 while all of x passes it).
+// Rows [4 * b0, 4 * b1) of y (m, n): each block of four rows of W against the rows of x
+// kTileX at a time (the block, 4 rows of K, stays in L1 while all of x passes it).
 template <typename T>
 void gemm_blocks(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n,
                  int64_t b0, int64_t b1, float* y) {
-  float out[16];
-  const int64_t passes = (m + 3) / 4;
+  float out[4 * kTileX];
+  const int64_t passes = (m + kTileX - 1) / kTileX;
   for (int64_t b = b0; b < b1; ++b) {
     const T* wb = w.w + 4 * b * k;
-    for (int64_t i0 = 0; i0 < m; i0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, m - i0), pass = i0 / 4;
+    for (int64_t i0 = 0; i0 < m; i0 += kTileX) {
+      const int64_t rows = std::min<int64_t>(kTileX, m - i0), pass = i0 / kTileX;
       const float* xs = x + i0 * k;
       switch (rows) {
         case 1: gemm_tile<1>(wb, k, xs, out, pass, passes); break;
         case 2: gemm_tile<2>(wb, k, xs, out, pass, passes); break;
         case 3: gemm_tile<3>(wb, k, xs, out, pass, passes); break;
-        default: gemm_tile<4>(wb, k, xs, out, pass, passes);
+        default: gemm_tile<kTileX>(wb, k, xs, out, pass, passes);
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int c = 0; c < 4; ++c) y[(i0 + r) * n + 4 * b + c] = out[4 * r + c];
     }
   }
 }
-#else
-// 8 lanes (AVX2): four rows of W against MX <= 3 rows of x: the 12 sums and the four rows'
-// vectors fill the 16 registers, x comes into the FMAs from L1. 7 loads per 12 FMAs, where
-// gemv_rows<8> needs 9 per 8: the FMAs, not the loads, set the pace (1.4-1.7x at 32 rows).
-// Prefetches the next block as the AVX-512 tile does.
-template <int MX, typename T>
-void gemm_tile(const T* w, int64_t k, const float* x, float* out, int64_t phase,
-               int64_t period) {
-  v8 acc[MX][4];
-  for (int r = 0; r < MX; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = zero8();
-  for (int64_t i = 0, step = 0; i < k; i += 8, ++step) {
-    v8 wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = load8(w + c * k + i);
-    if (step % period == phase)
-      for (int c = 0; c < 4; ++c) __builtin_prefetch(w + (c + 4) * k + i, 0, 2);
-    for (int r = 0; r < MX; ++r) {
-      const v8 xv = load8(x + r * k + i);
-      for (int c = 0; c < 4; ++c) acc[r][c] = fma8(wv[c], xv, acc[r][c]);
-    }
-  }
-  for (int r = 0; r < MX; ++r)
-    for (int c = 0; c < 4; ++c) out[4 * r + c] = hsum8(acc[r][c]);
-}
-
-// As the AVX-512 gemm_blocks, with the rows of x three at a time.
-template <typename T>
-void gemm_blocks(const DenseW<T>& w, const float* x, int64_t m, int64_t k, int64_t n,
-                 int64_t b0, int64_t b1, float* y) {
-  float out[12];
-  const int64_t passes = (m + 2) / 3;
-  for (int64_t b = b0; b < b1; ++b) {
-    const T* wb = w.w + 4 * b * k;
-    for (int64_t i0 = 0; i0 < m; i0 += 3) {
-      const int64_t rows = std::min<int64_t>(3, m - i0), pass = i0 / 3;
-      const float* xs = x + i0 * k;
-      switch (rows) {
-        case 1: gemm_tile<1>(wb, k, xs, out, pass, passes); break;
-        case 2: gemm_tile<2>(wb, k, xs, out, pass, passes); break;
-        default: gemm_tile<3>(wb, k, xs, out, pass, passes);
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int c = 0; c < 4; ++c) y[(i0 + r) * n + 4 * b + c] = out[4 * r + c];
-    }
-  }
-}
-#endif
 
 // y (m, n) fp32 = x (m, k) fp32 @ W^T for a dense W, rows of W spread over threads: one row
 // of x streams W a row at a time (bandwidth-bound); from kTileRows on they go through
