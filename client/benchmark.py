@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from typing import Any
 from client import cpu
 from client.served import log, run_served
 from client.stream import DEFAULT_MODEL, ClientError
+from pagedllm.serving.metrics import scrape
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = (  # noqa: SIM905
@@ -232,10 +232,7 @@ def prefix_cache_hits(metrics_url: str | None) -> int | None:
     """The server's prompt tokens found in its prefix cache so far (None: no metrics url)."""
     if metrics_url is None:
         return None
-    with urllib.request.urlopen(metrics_url, timeout=10) as page:
-        lines = page.read().decode().splitlines()
-    name = "vllm:prefix_cache_hits_total"
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines if line.startswith(name))
+    return int(scrape(metrics_url).get("vllm:prefix_cache_hits_total", 0))
 
 
 @contextlib.contextmanager

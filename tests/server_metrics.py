@@ -3,24 +3,9 @@ that requests (finished, failed or cancelled) leave no KV block behind."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
-
-def metrics(metrics_url: str) -> dict[str, float]:
-    """The vllm:* (and pagedllm:*) samples of Triton's metrics endpoint, keyed by name{labels} without the
-    model and version labels, e.g. `vllm:request_success_total{finished_reason=abort}`."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        m = re.match(r"((?:vllm|pagedllm):\w+)\{([^}]*)\} (\S+)", line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            extra = ",".join(f"{k}={v}" for k, v in labels.items() if k not in ("model", "version"))
-            samples[m.group(1) + (f"{{{extra}}}" if extra else "")] = float(m.group(3))
-    return samples
+from pagedllm.serving.metrics import scrape as metrics
 
 
 def is_idle(m: dict[str, float]) -> bool:

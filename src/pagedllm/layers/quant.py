@@ -63,9 +63,10 @@ def _fast_16bit(flags: set[str]) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-KERNEL_MAX_ROWS = _kernel_max_rows(cpu_kernels.cpu_flags())
+_FLAGS = cpu_kernels.cpu_flags()
+KERNEL_MAX_ROWS = _kernel_max_rows(_FLAGS)
 # False: past the kernels' rows, a CPU matmul with 16-bit x runs in fp32 (`_matmul`)
-FAST_16BIT_MATMUL = _fast_16bit(cpu_kernels.cpu_flags())
+FAST_16BIT_MATMUL = _fast_16bit(_FLAGS)
 
 
 @dataclass(frozen=True)

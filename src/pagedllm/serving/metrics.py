@@ -4,6 +4,8 @@ counter values and turns cumulative counts into increments."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -100,3 +102,19 @@ class MetricsExporter:
         yield Update("gauge", "vllm:num_requests_waiting", stats.num_waiting)
         usage = stats.kv_blocks_used / stats.kv_blocks_total
         yield Update("gauge", "vllm:kv_cache_usage_perc", usage)
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    """The vllm:* (and pagedllm:*) samples of a server's metrics endpoint, keyed by
+    name{labels} without the model and version labels, e.g.
+    `vllm:request_success_total{finished_reason=abort}`."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        m = re.match(r"((?:vllm|pagedllm):\w+)\{([^}]*)\} (\S+)", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            extra = ",".join(f"{k}={v}" for k, v in labels.items() if k not in ("model", "version"))
+            samples[m.group(1) + (f"{{{extra}}}" if extra else "")] = float(m.group(3))
+    return samples
