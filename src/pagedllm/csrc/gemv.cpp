@@ -12,11 +12,6 @@
 
 namespace {
 
-// How far ahead of its reads one row of x prefetches the weight stream (rows are contiguous
-// and read front to back): the hardware prefetcher alone leaves bandwidth unused on rows of a
-// few KiB (Intel with AVX-512: lm_head 16 -> 21 GB/s in fp32, benchmarks/gemv_bench.py).
-constexpr int64_t kPrefetchBytes = 8192;
-
 // From how many rows of x gemm_small takes the tiles (gemm_blocks). AVX-512's 4 x 4: already
 // at 2 they pass gemv_rows a little, at 32 by 1.7x (benchmarks/gemv_bench.py, fp32). AVX2's
 // 4 x 3 (AMD EPYC Zen 3, fp32): 1.1-1.4x at 16 rows, 1.4-1.7x at 32, but at 8 and fewer,

@@ -18,6 +18,12 @@ namespace {
 
 constexpr int64_t kGroup = 32;  // weights decoded at a time: four 8-lane vectors
 
+// How far ahead of its reads one row of x prefetches the weight stream (rows are contiguous
+// and read front to back, one at a time): the hardware prefetcher alone leaves bandwidth
+// unused on rows of a few KiB (Intel with AVX-512: lm_head 16 -> 21 GB/s in fp32,
+// benchmarks/gemv_bench.py) or of a few hundred bytes (AMD EPYC, int8 batch-1 step).
+constexpr int64_t kPrefetchBytes = 8192;
+
 // 8 fp32 lanes: AVX2 registers where the CPU has them (the 16-lane fvec of vec.h goes through
 // the stack on AVX2), else GCC/Clang vector extensions with scalar conversions.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
