@@ -122,6 +122,23 @@ def test_json_schema_streamed_and_not(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(done.choices[0].text), FORECAST)
 
 
+def test_objects_without_additional_properties_allow_none(client: openai.OpenAI) -> None:
+    """A schema whose objects do not say `additionalProperties` gets no other keys, as vLLM's
+    default backend (xgrammar, strict mode) and OpenAI's `strict` schemas: in a response
+    format, vLLM's `guided_json`, and a tool's parameters."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}
+    for fields in ({"response_format": response_format}, {"extra_body": {"guided_json": schema}}):
+        out = chat(client, n=3, **fields)
+        assert [set(json.loads(c.message.content)) for c in out.choices] == [{"ok"}] * 3
+    tool = {"type": "function", "function": {"name": "check", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "check"}}
+    out = chat(client, n=3, tools=[tool], tool_choice=named)
+    for choice in out.choices:
+        (call,) = choice.message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"ok"}
+
+
 def test_openai_parse_with_pydantic(client: openai.OpenAI) -> None:
     out = client.chat.completions.parse(
         model=MODEL, messages=MESSAGES, response_format=Forecast, extra_body=COMPACT, **SEEDED

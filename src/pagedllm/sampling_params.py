@@ -21,6 +21,7 @@ MAX_BAD_WORDS = 100  # per list: bad_words, bad_words_ids
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 64  # per sequence of bad_words_ids
 DEFAULT_MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range, -100 to 100)
 
 
 class RequestOutputKind(enum.Enum):
@@ -79,6 +80,17 @@ def _to_str_list(name: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _to_bias(value: Any) -> dict[int, float] | None:
+    """logit_bias: token id (an integer, or its string: JSON keys are strings) -> bias."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {value!r}")
+    return {
+        _to_int("logit_bias key", k): _to_float(f"logit_bias[{k}]", v) for k, v in value.items()
+    }
+
+
 def _to_id_lists(name: str, value: Any) -> list[list[int]]:
     if value is None:
         return []
@@ -111,6 +123,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # added to the logits of these token ids before penalties (vLLM's order); -100..100
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be generated (vLLM's allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     # False: token ids only, no text (a caller that decodes elsewhere); stop strings need text
     detokenize: bool = True
@@ -170,6 +186,9 @@ class SamplingParams:
         self.stop_token_ids = _to_int_list("stop_token_ids", self.stop_token_ids or [])
         self.bad_words = _to_str_list("bad_words", self.bad_words)
         self.bad_words_ids = _to_id_lists("bad_words_ids", self.bad_words_ids)
+        self.logit_bias = _to_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _to_int_list("allowed_token_ids", self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif not isinstance(self.structured_outputs, StructuredOutputsParams | None):
@@ -242,6 +261,10 @@ class SamplingParams:
                 all(t >= 0 for s in self.bad_words_ids for t in s),
                 "bad_words_ids must be non-negative",
             ),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids must not be empty",
+            ),
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (
                 self.seed is None or 0 <= self.seed < 2**63,
@@ -251,6 +274,7 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.check_token_ids()
         if self.top_k == 0:
             self.top_k = -1
 
@@ -277,6 +301,22 @@ class SamplingParams:
         if any(t >= vocab_size for seq in banned for t in seq):
             raise ValueError(f"bad_words token ids must be in [0, {vocab_size})")
         self._bad_words_token_ids = banned
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        """logit_bias and allowed_token_ids: token ids in [0, vocab_size) (any non-negative
+        id without a vocabulary), biases in [-100, 100]; ValueError naming the first bad one."""
+        high = f" (an integer from 0 to {vocab_size - 1})" if vocab_size else ""
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"logit_bias: {token} is not a token id{high}")
+            if abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias[{token}]: {bias} is outside [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}]"
+                )
+        for k, token in enumerate(self.allowed_token_ids or ()):
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"allowed_token_ids[{k}]: {token} is not a token id{high}")
 
     def check_logprobs_cap(self, max_logprobs: int) -> None:
         for name in ("logprobs", "prompt_logprobs"):

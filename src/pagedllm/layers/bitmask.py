@@ -39,3 +39,15 @@ def ban_(bitmask: torch.Tensor, row: int, ids: list[int]) -> None:
             words[t // 32] &= ~(1 << (t % 32))
     if bool(words.any()):
         bitmask[row] = words
+
+
+def allow_only_(bitmask: torch.Tensor, row: int, ids: list[int]) -> None:
+    """Keep only the bits of `ids` in one row, unless none of them is allowed there (a
+    request's allowed_token_ids against its grammar: the grammar wins)."""
+    words = bitmask[row].numpy().view(np.uint32)
+    ids_a = np.asarray([t for t in ids if 0 <= t < 32 * len(words)], dtype=np.int64)
+    allowed = np.zeros_like(words)
+    np.bitwise_or.at(allowed, ids_a // 32, np.left_shift(1, ids_a % 32).astype(np.uint32))
+    kept = words & allowed
+    if kept.any():
+        words[:] = kept

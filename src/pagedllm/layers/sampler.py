@@ -1,11 +1,11 @@
 """Vectorized sampler: per-request parameters become tensors once per step, then every row is
-processed together. Order as in vLLM: min_tokens and bad-words masking, penalties, temperature,
-min_p, top-k/top-p, then an inverse-CDF draw, one uniform number per row (seeded rows draw it
-from their own generator). NOTE: not the Gumbel-max `argmax(probs / Exponential(1))`: one
-exponential per vocabulary entry costs tens of ms per step on a CPU at batch 64 x 49k vocab,
-one uniform per row costs nothing. Filters run among each row's top candidates when they
-provably keep no other token. Log-probabilities are those of the model's raw logits (vLLM's
-default `raw_logprobs`).
+processed together. Order as in vLLM: min_tokens and bad-words masking, logit bias and allowed
+token ids (`logit_bias`), penalties, temperature, min_p, top-k/top-p, then an inverse-CDF
+draw, one uniform number per row (seeded rows draw it from their own generator). NOTE: not the
+Gumbel-max `argmax(probs / Exponential(1))`: one exponential per vocabulary entry costs tens of
+ms per step on a CPU at batch 64 x 49k vocab, one uniform per row costs nothing. Filters run
+among each row's top candidates when they provably keep no other token. Log-probabilities are
+those of the model's raw logits (vLLM's default `raw_logprobs`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
 from pagedllm.core.scheduler import TokenLogprobs
-from pagedllm.layers.attention import cpu_kernels
 from pagedllm.layers.attention.base import host_to_device
+from pagedllm.layers.logit_bias import LogitBias
+from pagedllm.layers.topk import argmax_rows, topk_rows
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -33,7 +33,8 @@ class SampleRequest:
     generator: torch.Generator | None
     # token ids masked until `params.min_tokens` outputs exist (EOS + stop_token_ids)
     stop_ids: Sequence[int] = ()
-    # its bans (bad words) are in a grammar's mask already (see `ModelRunner._constrain`)
+    # its bans (bad words) and allowed ids are in a grammar's mask already (see
+    # `ModelRunner._constrain`)
     in_mask: bool = False
 
 
@@ -59,6 +60,7 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None
     generators: dict[int, torch.Generator]
     max_logprobs: int  # -1: none asked
+    bias: LogitBias | None = None  # logit_bias, allowed_token_ids
 
     @staticmethod
     def build(rows: Sequence[SampleRequest], vocab: int, device: torch.device) -> SamplingMetadata:
@@ -108,6 +110,7 @@ class SamplingMetadata:
             ),
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+            bias=LogitBias.build(ps, [r.in_mask for r in rows], vocab, device),
         )
 
 
@@ -180,49 +183,6 @@ def apply_top_k_top_p(
         drop[:, -1] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
-
-
-def _block_size(vocab: int, k: int) -> int | None:
-    """A block size dividing the vocabulary into enough blocks that the k best blocks hold a
-    small fraction of it (None: not worth it)."""
-    for blk in (1024, 512, 256, 128, 64):
-        if vocab % blk == 0 and 4 * k * blk <= vocab:
-            return blk
-    return None
-
-
-def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, dim=-1)` (values descending, ids) for wide rows, in two levels: the k best
-    elements lie in the k blocks with the best maxima. NOTE: torch's own topk / argmax over
-    (64, 49152) cost ~5 ms on this CPU; a blockwise amax costs ~0.4 ms."""
-    rows, vocab = x.shape
-    blk = _block_size(vocab, k)
-    if blk is None or k == 0:
-        return x.topk(k, dim=-1)
-    blocks = x.contiguous().view(rows, vocab // blk, blk)
-    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # (S, k) block ids
-    cand = blocks.gather(1, best[:, :, None].expand(rows, k, blk)).view(rows, k * blk)
-    vals, pos = cand.topk(k, dim=-1)
-    ids = best.gather(1, pos // blk) * blk + pos % blk
-    return vals, ids
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` (first maximum; a NaN counts as the maximum): the CPU kernel for fp32
-    rows, else in two levels, as `topk_rows`."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        module = cpu_kernels.kernel_module()
-        out = None if module is None else module.argmax_rows(x.contiguous())
-        if out is not None:
-            return cast(torch.Tensor, out)
-    rows, vocab = x.shape
-    blk = _block_size(vocab, 1)
-    if blk is None:
-        return x.argmax(dim=-1)
-    blocks = x.contiguous().view(rows, vocab // blk, blk)
-    best = blocks.amax(dim=-1).argmax(dim=-1)  # the first block holding the maximum
-    inner = blocks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
-    return best * blk + inner
 
 
 # rows are filtered among their top candidates when the filters provably keep no other token
@@ -330,10 +290,12 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: (S, V) fp32, one row per request to sample."""
         raw = logits
-        if meta.banned is not None or meta.penalties is not None:
+        if meta.banned is not None or meta.penalties is not None or meta.bias is not None:
             logits = logits.clone()  # raw stays for the log-probabilities
         if meta.banned is not None:
             logits.index_put_(meta.banned, torch.tensor(float("-inf")))
+        if meta.bias is not None:
+            meta.bias.apply_(logits)
         if meta.penalties is not None:
             apply_penalties(logits, rows, meta)
         tokens = argmax_rows(logits) if meta.all_greedy else self._sample(logits, meta)

@@ -6,30 +6,37 @@ sample's first response before it answers, so a request Triton refuses still get
 error (400 with our message, 429 when the engine is busy); later failures end the stream with
 an `error` event. A client that goes away cancels every Triton request it started (streamed or
 not). Bodies are read by `request_body` (media type, size and nesting checked first), validated
-by `protocol`, answered by the builders of `responses`; errors are shaped by `errors`.
+by `protocol`, answered by the builders of `responses`; errors are shaped by `errors`. A prompt
+is sent as text, or as token ids when the gateway needs them (a token-id prompt, vLLM's
+`return_token_ids`, `truncate_prompt_tokens`: the gateway's tokenizer is the server's).
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pagedllm.convert import to_bool
 from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
 from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
+from pagedllm.openai.models import ServedModel
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, Prompt, parse_body
 from pagedllm.openai.request_body import MAX_BODY_BYTES, read_json
-from pagedllm.openai.responses import Builder, ChatBuilder, CompletionBuilder, Sample
+from pagedllm.openai.responses import Builder, ChatBuilder, CompletionBuilder
+from pagedllm.openai.samples import Sample
 from pagedllm.openai.streaming import (
     ClientGone,
     EventStream,
@@ -48,6 +55,12 @@ from pagedllm.text.tokenizer import Tokenizer
 T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
 # requests answering more choices than this (prompts x n) are refused
 MAX_CHOICES = 64
+# what turns on `trust_request_chat_template` for `pagedllm openai`
+TRUST_TEMPLATE_ENV = "PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE"
+
+
+def _trust_env() -> bool:
+    return to_bool(TRUST_TEMPLATE_ENV, os.environ.get(TRUST_TEMPLATE_ENV) or "false")
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,8 @@ class GatewayConfig:
     triton_model: str = "ensemble"
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies answer 413
     metrics_url: str | None = None  # Triton's, relayed at /metrics; None: triton_url's host:8002
+    # a request may bring its own chat template (vLLM's --trust-request-chat-template)
+    trust_request_chat_template: bool = field(default_factory=_trust_env)
 
     @property
     def model_name(self) -> str:
@@ -77,8 +92,10 @@ class Gateway:
         self.chat_template = ChatTemplate.from_model_dir(
             config.model_dir, self.tokenizer, config.chat_template
         )
+        # the model's special tokens, for a request's own template
+        self.template_tokens = ChatTemplate.special_tokens_of(config.model_dir, self.tokenizer)
         self.bridge = TritonBridge(config.triton_url, config.triton_model)
-        self.created = int(time.time())
+        self.model = ServedModel(self.model_name, config.model_dir, self.bridge)
 
     # --- routes ---------------------------------------------------------------------------
 
@@ -87,59 +104,56 @@ class Gateway:
             raise APIError(503, f"Triton at {self.config.triton_url} is not ready")
         return JSONResponse({"status": "ok"})
 
-    def _model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "pagedllm",
-        }
-
     async def server_info(self, request: Request) -> Response:
         # what a router of the SGLang family (smg) reads when it adds this gateway as a worker:
         # the model name it then lists and routes by (docs/routing.md)
         return JSONResponse({"served_model_name": self.model_name})
 
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [await self.model.card()]})
 
     async def get_model(self, request: Request) -> Response:
         self._check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        return JSONResponse(await self.model.card())
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, CompletionRequest)
         self._check_model(body.model)
-        prompts = body.prompts(self.tokens.vocab_size)
+        given = body.prompts(self.tokens.vocab_size)
+        keep = await self._keep(body)
+        prompts = [await self._prompt(body, p, keep) for p in given]
         # with echo, log-probs cover the prompt too: vLLM asks for as many alternatives there
-        prompt_logprobs = body.logprobs if body.echo else None
-        extra = _structured(body.constraint)
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:
+            prompt_logprobs = body.logprobs
+        extra = self._extra(body, body.constraint)
         samples = self._samples(
             body, prompts, body.max_tokens, body.logprobs, prompt_logprobs, extra
         )
         echo = None
-        if body.echo:
-            echo = [p if isinstance(p, str) else self.tokens.decode(p) for p in prompts]
+        if body.echo:  # the prompt's text, or the text of the ids the model saw
+            echo = [self._echo(g, p, keep) for g, p in zip(given, prompts, strict=True)]
         builder = CompletionBuilder(self.model_name, self.tokens, body, samples, echo)
         return await self._answer(request, body, samples, builder, "prompt", body.constraint)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request, ChatCompletionRequest)
         self._check_model(body.model)
-        if self.chat_template is None:
-            raise bad_request(
-                f"the model {self.model_name} has no chat template (start the gateway with "
-                "--chat-template FILE)",
-                "messages",
-            )
+        template = self._template(body)
         tools = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
-        messages, definitions = template_inputs(
-            body.template_messages(), tools, self.chat_template.accepts_tools
-        )
+        given = body.template_messages()
+        messages, definitions = template_inputs(given, tools, template.accepts_tools)
         try:
-            prompt = self.chat_template.render(messages, definitions)
+            text = template.render(
+                messages,
+                definitions,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                variables=body.template_variables(),
+            )
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
+        prompt = await self._prompt(body, text, await self._keep(body))
         constraint, reads_calls = body.constraint, False
         extra = {}
         if tools is not None:
@@ -147,11 +161,17 @@ class Gateway:
             constraint, reads_calls = tools.resolve(constraint, specials)
             if reads_calls and tools.keeps_special_tokens(specials):
                 extra["skip_special_tokens"] = False
-        extra.update(_structured(constraint))
+        extra.update(self._extra(body, constraint))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        samples = self._samples(body, [prompt], body.output_limit, top, None, extra)
+        samples = self._samples(body, [prompt], body.output_limit, top, body.prompt_logprobs, extra)
         builder = ChatBuilder(
-            self.model_name, self.tokens, body, samples, tools if reads_calls else None
+            self.model_name,
+            self.tokens,
+            body,
+            samples,
+            tools if reads_calls else None,
+            role=body.answer_role(given),
+            echo=body.echoed(given),
         )
         return await self._answer(request, body, samples, builder, "messages", constraint)
 
@@ -159,6 +179,57 @@ class Gateway:
 
     async def _body(self, request: Request, model: type[T]) -> T:
         return parse_body(model, await read_json(request, self.config.max_body_bytes))
+
+    def _template(self, body: ChatCompletionRequest) -> ChatTemplate:
+        """The request's own template (when the gateway trusts them), else the model's."""
+        if body.chat_template is None:
+            if self.chat_template is None:
+                raise bad_request(
+                    f"the model {self.model_name} has no chat template (start the gateway "
+                    "with --chat-template FILE)",
+                    "messages",
+                )
+            return self.chat_template
+        if not self.config.trust_request_chat_template:
+            raise bad_request(
+                "chat_template: a request's own chat template is refused: this gateway does not "
+                f"trust them (vLLM's --trust-request-chat-template; {TRUST_TEMPLATE_ENV}=1)",
+                "chat_template",
+            )
+        try:
+            return self.template_tokens.with_source(body.chat_template)
+        except jinja2.TemplateError as e:
+            message = f"chat_template is not a valid template: {e}"
+            raise bad_request(message, "chat_template") from None
+
+    async def _keep(self, body: Any) -> int | None:
+        """How many of a prompt's last tokens to keep (`truncate_prompt_tokens`; None: all)."""
+        if body.truncate_prompt_tokens is None:
+            return None
+        return body.truncation(await self.model.max_model_len())
+
+    async def _prompt(self, body: Any, prompt: Prompt, keep: int | None) -> Prompt:
+        """The prompt to send: as given, or as token ids when they are needed (vLLM's
+        `return_token_ids`) or truncated to the last `keep` (`truncate_prompt_tokens`)."""
+        if keep is None and not body.return_token_ids:
+            return prompt
+        if isinstance(prompt, str):  # as the server's tokenizer model encodes it
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        else:
+            ids = prompt
+        return ids[-keep:] if keep is not None else ids
+
+    def _echo(self, given: Prompt, sent: Prompt, keep: int | None) -> str:
+        """A completions prompt's echo: its text as given (a text prompt not truncated), else
+        the text of the ids sent."""
+        if isinstance(given, str) and (isinstance(sent, str) or keep is None):
+            return given
+        return self.tokens.decode(sent) if isinstance(sent, list) else sent
+
+    def _extra(self, body: Any, constraint: Constraint | None) -> dict[str, Any]:
+        """Sampling parameters beyond the shared ones: the constraint, logit_bias and
+        allowed_token_ids."""
+        return {**_structured(constraint), **body.token_parameters(self.tokens.logits_size)}
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:

@@ -1,10 +1,12 @@
 """OpenAI's request bodies, validated with pydantic.
 
 Unknown fields are refused by name, as OpenAI does; fields that OpenAI has but the `ensemble`
-cannot honour (`suffix`, `logit_bias`, ...) are refused with a 400 naming the field rather than
-ignored. Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`)
-are resolved by `structured`, tools by `tools`. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`) are accepted, as vLLM's server does (`extra_body` in the `openai` client).
+cannot honour (`suffix`, ...) are refused with a 400 naming the field rather than ignored.
+Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) are resolved
+by `structured`, tools by `tools`, chat-template fields by `chat_fields`, `logit_bias` and
+vLLM's other extras (`prompt_logprobs`, `return_token_ids`, ...) by `vllm_fields`. vLLM's extra
+sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`) are
+accepted, as vLLM's server does (`extra_body` in the `openai` client).
 Log-probs go up to vLLM's 20 alternatives per token (OpenAI's completions stop at 5). A
 completions `prompt` is a string, a list of strings, a list of token ids or a list of such
 lists; a bad id answers 400 naming its position (`prompt[1][3]`). Every string that reaches
@@ -20,17 +22,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedllm.openai.chat_fields import ChatTemplateFields
 from pagedllm.openai.errors import bad_request
 from pagedllm.openai.router_fields import ChatRouterFields, RouterFields
 from pagedllm.openai.structured import Strict, StructuredRequest
 from pagedllm.openai.tools import MessageToolCall, Tool, ToolChoice
+from pagedllm.openai.vllm_fields import INT32_MAX, MAX_LOGPROBS, VllmFields
 
 # more samples than this per request are refused (each is its own Triton request)
 MAX_N = 16
 MAX_SEED = 2**63  # the engine's seeds are in [0, 2**63)
-INT32_MAX = 2**31 - 1  # token counts and top_k travel as int32 in the engine
-# top alternatives per token in log-probs: vLLM's default max_logprobs (OpenAI's is 5)
-MAX_LOGPROBS = 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # a prompt: its text, or its token ids
 Prompt = str | list[int]
@@ -57,13 +58,20 @@ def check_utf8(value: Any, param: str) -> None:
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None  # None: false, unless continuous_usage_stats
+    # vLLM's: usage on every chunk too
+    continuous_usage_stats: bool = False
+
+    def check(self) -> None:
+        if self.continuous_usage_stats and self.include_usage is False:
+            message = "continuous_usage_stats needs include_usage (not false)"
+            raise bad_request(message, "stream_options.continuous_usage_stats")
 
 
-class _SamplingRequest(StructuredRequest, RouterFields):
+class _SamplingRequest(StructuredRequest, RouterFields, VllmFields):
     """The fields completions and chat completions share (with the structured-output fields:
-    `response_format`, vLLM's `structured_outputs` and `guided_*`; and those SGLang-family
-    routers add, `router_fields`)."""
+    `response_format`, vLLM's `structured_outputs` and `guided_*`; those SGLang-family routers
+    add, `router_fields`; `logit_bias` and vLLM's extras, `vllm_fields`)."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -75,7 +83,6 @@ class _SamplingRequest(StructuredRequest, RouterFields):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
@@ -86,9 +93,8 @@ class _SamplingRequest(StructuredRequest, RouterFields):
 
     def check(self) -> None:
         """Cross-field checks pydantic's per-field constraints cannot express."""
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         self.check_structured()
+        self.check_vllm_fields(self.stream)
         self.check_router_fields()
         if self.constraint is not None:
             check_utf8(self.constraint.spec, self.constraint.param)
@@ -96,6 +102,8 @@ class _SamplingRequest(StructuredRequest, RouterFields):
             raise bad_request(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        if self.stream_options is not None:
+            self.stream_options.check()
         check_utf8(self.stop, "stop")
         if self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
             raise bad_request(f"seed + n - 1 must be below 2**63, got {self.seed}", "seed")
@@ -129,7 +137,14 @@ class _SamplingRequest(StructuredRequest, RouterFields):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        """A last chunk with the usage (and "usage": null on the others)."""
+        options = self.stream_options
+        return options is not None and bool(options.include_usage or self.continuous_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """The usage so far on every chunk (vLLM's `continuous_usage_stats`)."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
@@ -219,7 +234,7 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingRequest, ChatRouterFields):
+class ChatCompletionRequest(_SamplingRequest, ChatRouterFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -231,7 +246,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatRouterFields):
 
     def check(self) -> None:
         super().check()
-        self.check_chat_router_fields()
+        self.check_chat_template_fields()
+        for name in ("chat_template", "chat_template_kwargs", "documents"):
+            check_utf8(getattr(self, name), name)
         check_utf8([t.model_dump() for t in self.tools or []], "tools")
         for i, message in enumerate(self.messages):
             check_utf8(message.model_dump(exclude_none=True), f"messages[{i}]")

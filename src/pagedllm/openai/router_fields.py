@@ -6,8 +6,9 @@ worker as `{..., "no_stop_trim": false, "ignore_eos": false, "skip_special_token
 `stream_reasoning`). The gateway refuses unknown fields, so it accepts these by name:
 
 - `skip_special_tokens`: vLLM's sampling parameter too; sent to the engine as it is;
-- `no_stop_trim`, `return_hidden_states`, `continue_final_message`: their defaults (false)
-  change nothing; true asks for what the engine does not do and is a 400 naming the field;
+- `no_stop_trim`, `return_hidden_states`: their defaults (false) change nothing; true asks for
+  what the engine does not do and is a 400 naming the field;
+- `continue_final_message`: vLLM's field too, honoured (`chat_fields`);
 - `separate_reasoning`, `stream_reasoning`: they only matter with a reasoning parser, which
   this gateway has none of (SGLang without `--reasoning-parser` ignores them too): any boolean.
 """
@@ -20,7 +21,6 @@ from pagedllm.openai.structured import Strict
 _UNSUPPORTED = {
     "no_stop_trim": "the stop string is always cut from the text",
     "return_hidden_states": "hidden states are not returned",
-    "continue_final_message": "the reply always starts a new assistant message",
 }
 
 
@@ -42,11 +42,7 @@ class RouterFields(Strict):
 
 
 class ChatRouterFields(Strict):
-    """Chat completions only."""
+    """Chat completions only (their `continue_final_message`: `chat_fields`)."""
 
-    continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-
-    def check_chat_router_fields(self) -> None:
-        _refuse_true(self, ("continue_final_message",))

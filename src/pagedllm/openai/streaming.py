@@ -13,7 +13,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.openai.errors import from_triton
-from pagedllm.openai.responses import Builder, Sample
+from pagedllm.openai.responses import Builder
+from pagedllm.openai.samples import Sample
 from pagedllm.openai.triton import Chunk, TritonBridge, TritonError
 
 T = TypeVar("T")
@@ -86,6 +87,8 @@ async def sse_body(
         async for item in stream:
             yield item
 
+    for index, chunk in first:  # the chunks sent first may show the prompt's usage
+        samples[index].num_input_tokens = chunk.num_input_tokens
     try:
         for data in builder.start():
             yield sse(data)

@@ -9,6 +9,11 @@ per request (several answer 400 naming them). The options (`disable_any_whitespa
 in `structured_outputs` beside any of them. The shape is checked here; a schema, regex or
 grammar the engine cannot compile is refused by the engine before it generates, and the gateway
 answers 400 naming the field that carried it.
+
+NOTE: a JSON schema's objects that do not say `additionalProperties` get none (the engine's
+`disable_additional_properties`, on unless the request sets it false; `closed_objects` for the
+tools' schemas): what vLLM's default backend (xgrammar, strict mode) does and what clients of
+OpenAI's `strict: true` rely on, rather than JSON Schema's default (docs/structured_outputs.md).
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ class Constraint:
 
     spec: dict[str, Any]
     param: str
+
+
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with `additionalProperties: false` on every object schema that does not say,
+    as the engine reads a schema under `disable_additional_properties`."""
+    from pagedllm.structured.grammar import _no_additional_properties  # the engine's own rule
+
+    return _no_additional_properties(schema)
 
 
 def checked_constraint(spec: dict[str, Any], param: str) -> Constraint:
@@ -137,6 +150,8 @@ class StructuredRequest(Strict):
         _check_options(options)
         if "json" in spec and not isinstance(spec["json"], dict):
             raise bad_request(f"{param} must be a JSON schema (an object)", param)
+        if "json" in spec:  # vLLM's default backend's strict mode (see above)
+            options.setdefault("disable_additional_properties", True)
         # unknown keys of `structured_outputs` ride in `options`: the engine's check names them
         self._constraint = checked_constraint({**spec, **options}, param)
 

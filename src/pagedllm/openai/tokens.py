@@ -1,6 +1,6 @@
 """Token ids as log-probs show them: each id's string (decoded alone, special tokens kept, as
-vLLM shows tokens) and the raw bytes it stands for (chat's `bytes`), and the range of ids a
-token-id prompt may hold.
+vLLM shows tokens) and the raw bytes it stands for (chat's `bytes`), the range of ids a
+token-id prompt may hold, and that of the model's logits (`logit_bias`, `allowed_token_ids`).
 
 A byte-level BPE token that holds part of a multi-byte character decodes to U+FFFD; its bytes
 are still the raw ones (the token's characters mapped back through GPT-2's byte alphabet), so
@@ -46,6 +46,8 @@ class TokenTexts:
         self.vocab_size = tokenizer.vocab_size
         config = path / "config.json"
         rows = json.loads(config.read_text()).get("vocab_size") if config.exists() else None
+        # the model's logits: one per row of its embedding (logit_bias, allowed_token_ids)
+        self.logits_size = rows if isinstance(rows, int) and rows > 0 else self.vocab_size
         if isinstance(rows, int) and 0 < rows < self.vocab_size:
             self.vocab_size = rows  # an id must have an embedding row too
         self._texts: dict[int, str] = {}

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from pagedllm.openai.errors import bad_request, parsed_json
-from pagedllm.openai.structured import Constraint, Strict, checked_constraint
+from pagedllm.openai.structured import Constraint, Strict, checked_constraint, closed_objects
 from pagedllm.openai.tool_parser import TOOL_CALL_END, TOOL_CALL_START
 
 # the arguments are written as json.dumps writes them (as `tojson` renders them in a prompt)
@@ -183,7 +183,9 @@ def _json(value: Any) -> str:
 
 
 def _arguments_schema(tool: Tool) -> dict[str, Any]:
-    schema = dict(tool.function.parameters or ANY_ARGUMENTS)
+    # objects that do not say allow no other properties, as a `json` constraint (structured)
+    given = tool.function.parameters
+    schema: dict[str, Any] = closed_objects(dict(given)) if given else dict(ANY_ARGUMENTS)
     return {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
 
 

@@ -63,18 +63,21 @@ class Generation:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One position's log-probs: its token, the token's log-prob (None for a prompt's first
-    token, which nothing predicts) and the N most likely tokens there, best first."""
+    token, which nothing predicts), the N most likely tokens there, best first, and the
+    token's rank (1: the most likely; known for prompt tokens)."""
 
     token_id: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass
 class Chunk:
     """One streamed response: the new text, the ids it adds and their log-probs (when asked),
     the prompt's log-probs (first response only, when asked), `finish_reason` ("" until the
-    last) and cumulative token counts."""
+    last), cumulative token counts and, on the last, the prompt tokens the prefix cache
+    served."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -83,6 +86,7 @@ class Chunk:
     finish_reason: str = ""
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int | None = None
 
 
 def _tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput:
@@ -124,14 +128,25 @@ def make_inputs(generation: Generation) -> list[grpcclient.InferInput]:
 
 
 def token_logprobs(
-    ids: np.ndarray, chosen: np.ndarray, top_ids: np.ndarray | None, top: np.ndarray | None
+    ids: np.ndarray,
+    chosen: np.ndarray,
+    top_ids: np.ndarray | None,
+    top: np.ndarray | None,
+    ranks: np.ndarray | None = None,
 ) -> list[TokenLogprob]:
     """Positions from Triton's tensors: ids and chosen log-probs (T,), top ids and log-probs
-    (T, N) or absent (N = 0). TritonError 502 when their shapes disagree."""
+    (T, N) or absent (N = 0), the chosen tokens' ranks (T,) or absent. TritonError 502 when
+    their shapes disagree."""
     rows = len(ids)
     if top_ids is None or top is None or top_ids.size == top.size == 0:
         top_ids = top = np.zeros((rows, 0))
-    if len(chosen) != rows or top_ids.shape != top.shape or top_ids.size % max(rows, 1):
+    bad_ranks = ranks is not None and len(ranks) != rows
+    if (
+        len(chosen) != rows
+        or top_ids.shape != top.shape
+        or top_ids.size % max(rows, 1)
+        or bad_ranks
+    ):
         shapes = f"{ids.shape}, {chosen.shape}, {top_ids.shape}, {top.shape}"
         logger.error("log-prob tensors of mismatched shapes from Triton: %s", shapes)
         raise TritonError(502, "Triton's log-prob outputs disagree in length")
@@ -143,6 +158,7 @@ def token_logprobs(
             int(ids[t]),
             float(chosen[t]),
             tuple((int(i), float(v)) for i, v in zip(top_ids[t], top[t], strict=True)),
+            None if ranks is None else int(ranks[t]),
         )
         for t in range(rows)
     ]
@@ -158,6 +174,7 @@ def to_chunk(result: Any) -> Chunk:
         return value[0] if value.size else default
 
     text, reason = scalar("text_output", b""), scalar("finish_reason", b"")
+    cached = scalar("num_cached_tokens", None)
     ids, chosen = array("output_token_ids"), array("output_log_probs")
     logprobs = []
     if chosen.size:  # asked for: (T,) chosen, (T, N) top
@@ -167,7 +184,9 @@ def to_chunk(result: Any) -> Chunk:
     prompt_ids = array("prompt_token_ids")
     if prompt_ids.size:  # the first response, when asked: (L,) ids, (L-1,) and (L-1, N)
         top_ids, top = map(result.as_numpy, ("prompt_top_token_ids", "prompt_top_log_probs"))
-        rest = token_logprobs(prompt_ids[1:], array("prompt_log_probs"), top_ids, top)
+        ranks = result.as_numpy("prompt_ranks")
+        ranks = None if ranks is None else ranks.reshape(-1)
+        rest = token_logprobs(prompt_ids[1:], array("prompt_log_probs"), top_ids, top, ranks)
         # the first token has no log-prob: nothing predicts it
         prompt_logprobs = [TokenLogprob(int(prompt_ids[0]), None), *rest]
     return Chunk(
@@ -178,6 +197,7 @@ def to_chunk(result: Any) -> Chunk:
         finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
         num_input_tokens=int(scalar("num_input_tokens", 0)),
         num_output_tokens=int(scalar("num_output_tokens", 0)),
+        num_cached_tokens=None if cached is None else int(cached),
     )
 
 

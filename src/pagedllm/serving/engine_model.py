@@ -103,6 +103,11 @@ class EngineModel:
         if self._drain_deadline is not None:
             fail("the engine is shutting down: no new requests", "UNAVAILABLE")
             return
+        try:  # logit_bias, allowed_token_ids: ids of this model's vocabulary
+            req.params.check_token_ids(self.engine.config.model.vocab_size)
+        except ValueError as e:
+            fail(str(e), "INVALID_ARG")
+            return
         if req.params.structured_outputs is not None:
             try:  # compiled on the request's thread: no engine step waits for it
                 self.engine.grammar_compiler().compile(req.params.structured_outputs)

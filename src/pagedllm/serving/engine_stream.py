@@ -23,7 +23,10 @@ every hop, and there is one response per token, so the optional ones go only whe
   and with N > 0 alternatives `output_top_token_ids` / `output_top_log_probs` (T, N); on the
   first response when prompt log-probs were asked for, `prompt_token_ids` (L),
   `prompt_log_probs` (L - 1: from the second prompt token on) and `prompt_top_token_ids` /
-  `prompt_top_log_probs` (L - 1, N); for n > 1 not streamed, `sequence_lengths`.
+  `prompt_top_log_probs` (L - 1, N) and `prompt_ranks` (L - 1: each prompt token's rank);
+  for n > 1 not streamed, `sequence_lengths`;
+- on the last response: `num_cached_tokens` (the prompt tokens whose KV came from the prefix
+  cache).
 """
 
 from __future__ import annotations
@@ -79,14 +82,21 @@ def _prompt_tensors(prompt_ids: list[int], entries: PromptLogprobs, n: int) -> T
     """The prompt's log-probs (from its second token on) and their n top alternatives."""
     scored = [d for d in entries[1:] if d is not None]
     ids, values = _top(scored, n)
+    chosen = [next(iter(d.values())) for d in scored]  # the prompt token first
     return {
         "prompt_token_ids": _ints(prompt_ids),
-        "prompt_log_probs": np.array(
-            [next(iter(d.values())).logprob for d in scored], dtype=np.float32
-        ),
+        "prompt_log_probs": np.array([lp.logprob for lp in chosen], dtype=np.float32),
+        "prompt_ranks": _ints([lp.rank for lp in chosen]),
         "prompt_top_token_ids": ids,
         "prompt_top_log_probs": values,
     }
+
+
+def _cached(out: RequestOutput) -> Tensors:
+    """The last response's `num_cached_tokens`."""
+    if not out.finished:
+        return {}
+    return {"num_cached_tokens": np.array([out.num_cached_tokens], dtype=np.uint32)}
 
 
 @dataclasses.dataclass
@@ -142,7 +152,7 @@ class Stream:
         strings = [s for c, t in zip(seqs, texts, strict=True) for s in (t, c.finish_reason or "")]
         new = [t for c in seqs for t in c.token_ids]
         meta = self._meta(out, 0, sum(self.counts[c.index] for c in seqs), index)
-        return self._pack([], meta, strings, logprobs, new) | extras
+        return self._pack([], meta, strings, logprobs, new) | extras | _cached(out)
 
     def _meta(self, out: RequestOutput, window: int, count: int, sequence: int) -> list[int]:
         index, self.responses = self.responses, self.responses + 1
@@ -169,7 +179,7 @@ class Stream:
         if out.prompt_logprobs is not None:
             extras |= _prompt_tensors(out.prompt_token_ids, out.prompt_logprobs, self.prompt_top)
         meta = self._meta(out, len(window), len(self.output_ids), -1)
-        return self._pack(window + ids, meta, [text, finish], logprobs, new) | extras
+        return self._pack(window + ids, meta, [text, finish], logprobs, new) | extras | _cached(out)
 
     def _logprob_tensors(self, entries: SampleLogprobs, cumulative: float | None) -> Tensors:
         """The optional log-prob outputs: top alternatives, the chosen tokens' ranks and the

@@ -34,7 +34,9 @@ OPTIONAL = {
     "prompt_log_probs": (np.float32, 1),
     "prompt_top_token_ids": (np.int32, 2),
     "prompt_top_log_probs": (np.float32, 2),
+    "prompt_ranks": (np.int32, 1),
     "sequence_lengths": (np.int32, 1),
+    "num_cached_tokens": (np.uint32, 1),
 }
 # optional inputs with one row per output token
 TOKEN_ROWS = ("output_ranks", "output_top_token_ids", "output_top_log_probs")
@@ -76,6 +78,9 @@ def _check_rows(inputs: Tensors, sequences: int) -> None:
     for name in sized:
         if len(inputs[name]) != rows:
             raise RequestError(f"{name} must have one row per output token ({rows})")
+    ranks, scored = inputs.get("prompt_ranks"), inputs.get("prompt_log_probs")
+    if ranks is not None and (scored is None or len(ranks) != len(scored)):
+        raise RequestError("prompt_ranks must have one value per prompt log-prob")
     for which in ("output", "prompt"):
         ids, values = (inputs.get(f"{which}_top_{n}") for n in ("token_ids", "log_probs"))
         if ids is not None and values is not None and ids.shape != values.shape:

@@ -12,7 +12,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedllm.layers.attention import StepInputs
-from pagedllm.layers.bitmask import apply_token_bitmask_, ban_
+from pagedllm.layers.bitmask import allow_only_, apply_token_bitmask_, ban_
 from pagedllm.layers.sampler import (
     Sampler,
     SampleRequest,
@@ -178,9 +178,10 @@ class ModelRunner(ShardExecutor):
 
     def _constrain(self, logits: torch.Tensor, rows: list[SampleRequest], masks: Masks) -> None:
         """The grammars' masks on their rows. For those rows min_tokens' and bad words' bans
-        go through the mask, which they must not empty: the grammar wins (a complete grammar
-        allows only EOS). EOS ends a constrained request whatever `ignore_eos` says, so
-        min_tokens holds it back there."""
+        and allowed_token_ids go through the mask, which they must not empty: the grammar wins
+        (a complete grammar allows only EOS). EOS ends a constrained request whatever
+        `ignore_eos` says, so min_tokens holds it back there. (A logit bias is added later, by
+        the sampler: finite, it cannot empty the mask.)"""
         constrained = [i for i, r in enumerate(rows) if r.params.structured_outputs]
         eos = self.config.model.eos_token_ids
         for i in constrained:
@@ -190,6 +191,8 @@ class ModelRunner(ShardExecutor):
             bans += [t for _, t in bad_word_bans([r])]
             if bans:
                 ban_(masks.bitmask, i, bans)
+            if r.params.allowed_token_ids:
+                allow_only_(masks.bitmask, i, r.params.allowed_token_ids)
             r.stop_ids, r.in_mask = (), True
         apply_token_bitmask_(logits, masks.bitmask, constrained)
 
