@@ -1,4 +1,5 @@
-"""Weight-only quantization (layers/quant.py, csrc/gemv.cpp, model/gguf.py).
+"""Weight-only quantization (layers/quant.py, csrc/gemv.cpp, model/gguf.py's blocks; GGUF
+files of every family: test_gguf_families.py).
 
 Oracles: arithmetic bounds for the quantizers; gguf-py's own block decoders for the GGUF
 formats; dequantize-then-matmul in PyTorch for the kernels, with the stated int8 rounding of
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_greedy, hf_model, make_checkpoint, random_prompts
+from conftest import hf_greedy, hf_model, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError, EngineConfig
 from pagedllm.layers import quant
@@ -170,7 +171,9 @@ def test_kernels_refuse_what_they_do_not_handle() -> None:
 
 # ---- whole engines against HF on the dequantized weights ---------------------------------
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3 fuses q/k/v and gate/up in its checkpoint: rows are quantized alike fused or not)
+_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_LINEARS += ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 def _round_inputs(modules: list[torch.nn.Module]) -> None:
@@ -181,7 +184,7 @@ def _round_inputs(modules: list[torch.nn.Module]) -> None:
         )
 
 
-def _dequantized_hf(path: Path, method: str) -> Any:
+def dequantized_hf(path: Path, method: str) -> Any:
     """HF's model of `path` with what `LLM(quantization=method)` quantizes replaced by its
     dequantized values, and those layers' inputs rounded to int8 in groups of 32."""
     model = hf_model(path)
@@ -201,7 +204,7 @@ def _dequantized_hf(path: Path, method: str) -> Any:
 NEAR_TIE = 2e-3  # of the logits' range: what one flipped rounding of an activation moves
 
 
-def _assert_greedy_matches(
+def assert_greedy_matches(
     model: Any, prompts: list[list[int]], ours: list[list[int]], expected: list[list[int]]
 ) -> None:
     """Ours equals HF's greedy tokens, but where HF itself has a near-tie: rounding to int8
@@ -232,14 +235,14 @@ def test_quantized_engine_matches_hf_on_dequantized_weights(
     shared = random_prompts(1, (20, 20), 384, seed=5)[0]
     prompts = [shared + p for p in random_prompts(6, (3, 30), 384, seed=6)]
     prompts += random_prompts(6, (1, 40), 384, seed=7)
-    model = _dequantized_hf(path, method)
+    model = dequantized_hf(path, method)
     expected = hf_greedy(model, prompts, 12, eos=None)
     llm = LLM(str(path), quantization=method, max_num_batched_tokens=16, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     hits = []
     for _ in range(2):  # the second run hits the prefix cache
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        _assert_greedy_matches(model, prompts, [o.outputs[0].token_ids for o in outs], expected)
+        assert_greedy_matches(model, prompts, [o.outputs[0].token_ids for o in outs], expected)
         hits.append(llm.engine.scheduler.kv.prefix_hits)
     assert hits[1] - hits[0] >= 16 * 6  # at least the shared block of the six
     # where the kernels take packed weights, the loader packed every one (N: multiples of 16)
@@ -247,117 +250,13 @@ def test_quantized_engine_matches_hf_on_dequantized_weights(
     assert weights and all(w.packed == quant.packs_on_cpu() for w in weights)
 
 
-def _write_gguf(path: Path, hf_dir: Path, qtype: str) -> None:
-    """A llama.cpp-style GGUF of the checkpoint at hf_dir: its projections in `qtype`, q and k
-    rows permuted to the interleaved rotary layout as llama.cpp's converter does, embeddings in
-    Q8_0, norms in F32."""
-    from safetensors.torch import load_file
-
-    from pagedllm.config import ModelConfig
-    from pagedllm.model.rope import interleave_rows
-
-    cfg = ModelConfig.from_model_dir(hf_dir)
-    tensors = load_file(str(hf_dir / "model.safetensors"))
-    names = {
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }  # fmt: skip
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, t in sorted(tensors.items()):
-        if name == "model.embed_tokens.weight":
-            out, kind = "token_embd.weight", "Q8_0"
-        elif name == "model.norm.weight":
-            out, kind = "output_norm.weight", "F32"
-        elif name == "lm_head.weight":
-            out, kind = "output.weight", "Q8_0"
-        else:
-            parts = name.split(".")  # model.layers.<i>.<block>[.<proj>].<weight|bias>
-            key = ".".join(parts[3:-1])
-            out = f"blk.{parts[2]}.{names[key]}.{parts[-1]}"
-            kind = qtype if t.dim() == 2 else "F32"
-            heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(parts[-2])
-            if heads:
-                t = interleave_rows(t, heads, cfg.head_dim)
-        data = t.float().numpy()
-        if kind != "F32":
-            data = gguf.quants.quantize(data, Q[kind])
-        writer.add_tensor(out, data, raw_dtype=Q[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def _gguf_hf(path: Path, hf_dir: Path) -> Any:
-    """HF's model with the GGUF's values (decoded by gguf-py), rows back in HF's layout."""
-    from pagedllm.config import ModelConfig
-
-    cfg = ModelConfig.from_model_dir(hf_dir)
-    reader = gguf.GGUFReader(str(path))
-    values = {
-        t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        for t in reader.tensors
-    }
-    model = hf_model(hf_dir)
-
-    def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-        return w.reshape(heads, cfg.head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            a, m = layer.self_attn, layer.mlp
-            a.q_proj.weight.copy_(unpermute(values[f"blk.{i}.attn_q.weight"], cfg.num_heads))
-            a.k_proj.weight.copy_(unpermute(values[f"blk.{i}.attn_k.weight"], cfg.num_kv_heads))
-            for mod, key in ((a.v_proj, "attn_v"), (a.o_proj, "attn_output"),
-                             (m.gate_proj, "ffn_gate"), (m.up_proj, "ffn_up"),
-                             (m.down_proj, "ffn_down")):  # fmt: skip
-                mod.weight.copy_(values[f"blk.{i}.{key}.weight"])
-            if a.q_proj.bias is not None:
-                a.q_proj.bias.copy_(unpermute(values[f"blk.{i}.attn_q.bias"], cfg.num_heads))
-                a.k_proj.bias.copy_(unpermute(values[f"blk.{i}.attn_k.bias"], cfg.num_kv_heads))
-                a.v_proj.bias.copy_(values[f"blk.{i}.attn_v.bias"])
-        model.model.embed_tokens.weight.copy_(values["token_embd.weight"])
-        if "output.weight" in values:
-            model.lm_head.weight.copy_(values["output.weight"])
-    # every 2-D tensor of the file is quantized (_write_gguf): inputs rounded as ours are
-    linears = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in _LINEARS]
-    _round_inputs([*linears, model.lm_head])
-    return model
-
-
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_engine_matches_hf_on_the_files_values(tmp_path: Path, arch: str, qtype: str) -> None:
-    """quantization="gguf" reads the file's blocks as they are (and its permuted q/k rows);
-    the first step's prefill rows pass KERNEL_MAX_ROWS (decoded weights, oneDNN), decode rows
-    take the kernels."""
-    hf_dir = make_checkpoint(tmp_path / arch, arch)
-    _write_gguf(hf_dir / "model.gguf", hf_dir, qtype)
-    prompts = random_prompts(8, (10, 40), 384, seed=3)  # > 128 rows at once: the fallback
-    model = _gguf_hf(hf_dir / "model.gguf", hf_dir)
-    expected = hf_greedy(model, prompts, 10, eos=None)
-    llm = LLM(str(hf_dir), quantization="gguf", max_model_len=128)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    _assert_greedy_matches(model, prompts, [o.outputs[0].token_ids for o in outs], expected)
-    weights = llm.engine.runner.model.quantized
-    assert {w.bits for w in weights.values()} == ({8} if qtype == "Q8_0" else {4, 8})
-
-
-def test_bad_quantization_settings_are_config_errors(
-    checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
+def test_bad_quantization_settings_are_config_errors(checkpoints: dict[str, Path]) -> None:
+    """(A GGUF file's bad types and architectures: tests/test_gguf_families.py.)"""
     with pytest.raises(ConfigError, match="unsupported quantization 'int3'"):
         EngineConfig.create(checkpoints["llama"], quantization="int3", device="cpu")
     assert EngineConfig.create(checkpoints["llama"], quantization="None").quantization is None
     with pytest.raises(ConfigError, match=r"exactly one \*\.gguf file .* \(found none\)"):
         LLM(str(checkpoints["llama"]), quantization="gguf")
-    hf_dir = make_checkpoint(tmp_path / "q5", "llama")
-    _write_gguf(hf_dir / "model.gguf", hf_dir, "Q5_0")
-    with pytest.raises(ConfigError, match="is Q5_0: loading GGUF supports"):
-        LLM(str(hf_dir), quantization="gguf")
 
 
 def test_serving_settings_and_cli_defaults(
@@ -388,7 +287,7 @@ def test_quantized_engine_on_a_gpu_matches_hf(checkpoints: dict[str, Path], meth
     """On CUDA the weights are decoded by torch for cuBLAS (CUDA graphs capture that too)."""
     path = checkpoints["llama"]
     prompts = random_prompts(4, (5, 30), 384, seed=9)
-    expected = hf_greedy(_dequantized_hf(path, method), prompts, 8, eos=None)
+    expected = hf_greedy(dequantized_hf(path, method), prompts, 8, eos=None)
     llm = LLM(str(path), quantization=method, device="cuda", max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -1,25 +1,31 @@
-"""Frozen configuration dataclasses: the model (read from a HF `config.json`), the KV cache
-and the scheduler. "auto" values are resolved before freezing."""
+"""Frozen configuration dataclasses: the engine, the KV cache and the scheduler (the model's,
+read from a HF `config.json`, is in model_config.py). "auto" values are resolved before freezing."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from pagedllm import kv_budget
 from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
+from pagedllm.families import SUPPORTED_ARCHITECTURES
+from pagedllm.model_config import ModelConfig, RopeConfig
 
-__all__ = ["DEVICES", "ConfigError", "check_device", "resolve_device"]  # re-exported
+__all__ = [  # re-exported
+    "DEVICES",
+    "SUPPORTED_ARCHITECTURES",
+    "ConfigError",
+    "ModelConfig",
+    "RopeConfig",
+    "check_device",
+    "resolve_device",
+]
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -42,147 +48,30 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
 
 
 @dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    # "default", "linear", "dynamic" or "llama3"
-    type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-
-    @staticmethod
-    def from_hf(hf: dict[str, Any]) -> RopeConfig:
-        # transformers >= 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` and
-        # an optional `rope_scaling` dict whose type key is `rope_type` or the older `type`.
-        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ("default", "linear", "dynamic", "llama3"):
-            raise ConfigError(f"unsupported rope scaling type {rope_type!r}")
-        return RopeConfig(
-            theta=float(theta),
-            type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=params.get("original_max_position_embeddings"),
-        )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The parts of a HF `config.json` our Llama-family modules need."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeConfig
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    sliding_window: int | None
-    checkpoint_dtype: str | None
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
-            )
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameters of the Llama-family model this config describes (embeddings counted
-        once when tied)."""
-        h, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        attn += h if self.o_bias else 0
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
-
-    @property
-    def context_length(self) -> int:
-        """`linear` and `dynamic` rope scaling stretch the trained context by their factor."""
-        if self.rope.type in ("linear", "dynamic"):
-            return int(self.max_position_embeddings * self.rope.factor)
-        return self.max_position_embeddings
-
-    @staticmethod
-    def from_model_dir(model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise ConfigError(f"model directory {str(path)!r} does not exist")
-        hf = _read_json(path / "config.json")
-        gen_path = path / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.exists() else {}
-        return ModelConfig.from_hf(hf, gen)
-
-    @staticmethod
-    def from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported activation {hf['hidden_act']!r} (only silu)")
-        num_heads = hf["num_attention_heads"]
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        window = hf.get("sliding_window")
-        if is_qwen2 and not hf.get("use_sliding_window", False):
-            window = None
-        eos = _ids((generation or {}).get("eos_token_id")) or _ids(hf.get("eos_token_id"))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rope=RopeConfig.from_hf(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or bool(hf.get("attention_bias", False)),
-            o_bias=not is_qwen2 and bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=window,
-            checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
-            eos_token_ids=eos,
-            bos_token_id=hf.get("bos_token_id"),
-        )
-
-
-@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     # None: size the pool to hold `max_num_seqs` requests of the full context length
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # the window of EVERY layer (the widest): a request's blocks out of it are freed as it
+    # goes; None (some layer attends globally, or off) keeps them until the request ends
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    @staticmethod
+    def window_of(layer_windows: tuple[int | None, ...]) -> int | None:
+        """The window blocks may be freed by: the widest when every layer has one. All layers
+        share one block table, so with any global layer (Gemma 2 and 3) none is (per-layer-
+        group tables, as vLLM's hybrid allocator keeps, would be the next step)."""
+        windows = [w for w in layer_windows if w is not None]
+        return max(windows) if windows and len(windows) == len(layer_windows) else None
 
 
 @dataclass(frozen=True)
@@ -260,12 +149,14 @@ class EngineConfig:
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         stream_interval: int = 1,
+        free_out_of_window_blocks: bool = True,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
         comes from the device's free memory (`gpu_memory_utilization`), not from
         `kv_cache_memory`. `quantization`: QUANTIZATIONS, or None / "none" for the checkpoint's
-        weights in `dtype`."""
+        weights in `dtype`. `free_out_of_window_blocks`: on a model whose every layer has a
+        sliding window, free a request's blocks once they fall out of it."""
         device = resolve_device(device)
         quantization = check_quantization(quantization)
         check_utilization(gpu_memory_utilization)  # before it sizes a GPU's KV pool
@@ -276,6 +167,7 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {model_len} exceeds the model's context ({context})")
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
+        window = CacheConfig.window_of(model.layer_windows) if free_out_of_window_blocks else None
         if num_kv_blocks is None:
             num_kv_blocks = kv_budget.num_kv_blocks(
                 model,
@@ -289,8 +181,9 @@ class EngineConfig:
                 kv_cache_memory,
                 gpu_memory_utilization,
                 tensor_parallel_size,
+                sliding_window=window,
             )
-        cache = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching)
+        cache = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, window)
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=batched_tokens,
@@ -331,23 +224,3 @@ def check_quantization(value: str | None) -> str | None:
             f"unsupported quantization {value!r}; use none, {', '.join(QUANTIZATIONS)}"
         )
     return name
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ConfigError(f"missing {path.name} in {str(path.parent)!r}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
-
-
-def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)

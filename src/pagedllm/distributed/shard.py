@@ -90,12 +90,20 @@ class ShardPlan:
             vocab_size=self.vocab_rows,
         )
 
-    def slice_of(self, ours: str, shard: int | None, head_dim: int) -> tuple[int, int, int] | None:
+    def slice_of(
+        self, ours: str, shard: int | None, head_dim: int, qk_norm: str | None = None
+    ) -> tuple[int, int, int] | None:
         """(dim, start, length) of the full HF tensor for our parameter `ours` (and its fused
-        `shard`: 0/1/2 = q/k/v, 0/1 = gate/up) on this rank; None: the rank holds all of it."""
+        `shard`: 0/1/2 = q/k/v, 0/1 = gate/up) on this rank; None: the rank holds all of it.
+        `qk_norm`: the model's (ModelConfig.qk_norm); a norm over the whole q or k projection
+        splits with its heads."""
         parts = ours.split(".")
         module, kind = parts[-2], parts[-1]
-        if module == "qkv_proj":
+        if module == "q_norm" and qk_norm == "proj":
+            shard = 0
+        elif module == "k_norm" and qk_norm == "proj":
+            shard = 1
+        if module == "qkv_proj" or (module in ("q_norm", "k_norm") and qk_norm == "proj"):
             if shard == 0:
                 return 0, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
             return 0, self.kv_head_start * head_dim, self.num_kv_heads * head_dim

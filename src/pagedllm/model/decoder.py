@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened batch of tokens.
+"""The decoder of every dense family (families.py) over a flattened batch of tokens: the
+Llama layer, with the parts a family's config turns on (q/k norms, norms after attention and
+MLP, soft-caps, per-layer windows and ropes, NoPE layers, multipliers, GeLU).
 
 The modules only hold parameters (named as the loader expects); the forward pass is plain
 functions over per-layer weight tuples, which spares the per-module call overhead that
@@ -7,9 +9,12 @@ dominates small-batch decoding on a CPU.
 NOTE: two layout choices differ from the HF checkpoint, both made by the loader:
 - q/k/v and gate/up weights are fused into one matmul each;
 - the rows of q and k are permuted within each head from the half-split rotary layout
-  (pairs i, i + head_dim/2) to the interleaved one (pairs 2i, 2i+1), so the rotation is one
+  (pairs i, i + rotary_dim/2) to the interleaved one (pairs 2i, 2i+1), so the rotation is one
   complex multiply. Attention scores are dot products of q and k, unchanged by a permutation
-  applied to both; the KV cache stores keys in the permuted order.
+  applied to both; the KV cache stores keys in the permuted order (and q/k norm weights are
+  permuted with them).
+Where the family's RMSNorm scales by (1 + w) the loader stores 1 + w; a residual multiplier is
+folded into o_proj and down_proj.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend, cpu_kernels
-from pagedllm.layers.attention.base import DecodeBatch, split_qkv
+from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, kernel_rows, linear
 
 if TYPE_CHECKING:
@@ -43,6 +49,10 @@ class Attention(nn.Module):
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm is not None:  # over each head, or over the whole projection
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else kv_size, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -52,39 +62,64 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
 
+# the layer norms of each placement (families.Family.norms), by Gemma's names: before
+# attention, after it, before the MLP, after it
+NORMS = {
+    "pre": ("input_layernorm", "pre_feedforward_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        for name in NORMS[cfg.norms]:
+            self.add_module(name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+    def norm(self, name: str) -> torch.Tensor | None:
+        module = getattr(self, name, None)
+        return None if module is None else module.weight
 
 
 class LayerWeights(NamedTuple):
-    ln1: torch.Tensor
+    ln1: torch.Tensor | None  # before attention
     qkv_w: Weight
     qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     o_w: Weight
     o_b: torch.Tensor | None
-    ln2: torch.Tensor
+    post1: torch.Tensor | None  # after attention
+    ln2: torch.Tensor | None  # before the MLP
     gate_up_w: Weight
     gate_up_b: torch.Tensor | None
     down_w: Weight
     down_b: torch.Tensor | None
+    post2: torch.Tensor | None  # after the MLP
+    attn: AttnLayer  # scale, window, soft-cap
+    rope: int | None  # index of its rotation in ForwardContext.rotary; None: NoPE
 
 
 class ForwardContext(NamedTuple):
-    """Everything a step's layers share: the rotation of each token (complex, (N, 1, hd/2)),
-    the KV caches, the attention backend and its per-step metadata."""
+    """Everything a step's layers share: the rotation of each token by each of the model's
+    ropes (complex, (N, 1, head_dim/2) each), the KV caches, the attention backend and its
+    per-step metadata."""
 
-    rotary: torch.Tensor
+    rotary: tuple[torch.Tensor, ...]
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
     attn_metadata: Any
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(
         self, cfg: ModelConfig, plan: ShardPlan | None = None, tp: TPGroup | None = None
     ) -> None:
@@ -94,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.vocab_size = cfg.vocab_size
         self.plan, self.tp = plan, tp
+        # ranks that hold each KV head (a whole-projection k norm sums over them)
+        self._kv_replicas = 1 if plan is None else max(1, plan.world // cfg.num_kv_heads)
         cfg = cfg if plan is None else plan.local_config(cfg)
         self.config = cfg
         # NOTE: given its (uninitialized) weight: nn.Embedding's own init (normal_) on the meta
@@ -129,24 +166,33 @@ class LlamaForCausalLM(nn.Module):
 
     def finalize_weights(self) -> None:
         """Snapshot the per-layer weight tuples the forward pass uses (after loading)."""
-        w = self.weight
-        self._weights = [
-            LayerWeights(
-                l.input_layernorm.weight,
-                w(f"layers.{i}.self_attn.qkv_proj.weight"),
-                l.self_attn.qkv_proj.bias,
-                w(f"layers.{i}.self_attn.o_proj.weight"),
-                l.self_attn.o_proj.bias,
-                l.post_attention_layernorm.weight,
-                w(f"layers.{i}.mlp.gate_up_proj.weight"),
-                l.mlp.gate_up_proj.bias,
-                w(f"layers.{i}.mlp.down_proj.weight"),
-                l.mlp.down_proj.bias,
+        w, cfg = self.weight, self.config
+        self._weights = []
+        for i, l in enumerate(self.decoder_layers()):  # noqa: E741
+            attn = l.self_attn
+            qk = cfg.qk_norm is not None
+            self._weights.append(
+                LayerWeights(
+                    l.norm("input_layernorm"),
+                    w(f"layers.{i}.self_attn.qkv_proj.weight"),
+                    attn.qkv_proj.bias,
+                    attn.q_norm.weight if qk else None,
+                    attn.k_norm.weight if qk else None,
+                    w(f"layers.{i}.self_attn.o_proj.weight"),
+                    attn.o_proj.bias,
+                    l.norm("post_attention_layernorm"),
+                    l.norm("pre_feedforward_layernorm"),
+                    w(f"layers.{i}.mlp.gate_up_proj.weight"),
+                    l.mlp.gate_up_proj.bias,
+                    w(f"layers.{i}.mlp.down_proj.weight"),
+                    l.mlp.down_proj.bias,
+                    l.norm("post_feedforward_layernorm"),
+                    AttnLayer(cfg.softmax_scale, cfg.layer_windows[i], cfg.attn_softcap),
+                    cfg.layer_ropes[i],
+                )
             )
-            for i, l in enumerate(self.decoder_layers())  # noqa: E741
-        ]
         embed = w("embed_tokens.weight")
-        self._io = (embed, embed if self.config.tie_word_embeddings else w("lm_head.weight"))
+        self._io = (embed, embed if cfg.tie_word_embeddings else w("lm_head.weight"))
         self._kernel_weights, self._kernel_rows = self._decode_kernel_weights()
 
     def _decode_kernel_weights(self) -> tuple[list[torch.Tensor], float]:
@@ -162,26 +208,11 @@ class LlamaForCausalLM(nn.Module):
         ):
             return [], 0.0
         flat: list[torch.Tensor] = []
-        none = norm.new_empty(0)
         for w in self._weights:
-            flat += [w.ln1, w.ln2]
-            for weight, bias in (
-                (w.qkv_w, w.qkv_b),
-                (w.o_w, w.o_b),
-                (w.gate_up_w, w.gate_up_b),
-                (w.down_w, w.down_b),
-            ):
-                if isinstance(weight, QuantizedWeight):
-                    flat += [
-                        weight.qweight,
-                        weight.scales,
-                        none if weight.mins is None else weight.mins,
-                    ]
-                elif weight.shape[1] % 32 == 0:
-                    flat += [weight, none, none]
-                else:
-                    return [], 0.0
-                flat.append(none if bias is None else bias)
+            layer = _kernel_layer(w, norm.dtype)
+            if layer is None:  # the layers run op by op
+                return [], 0.0
+            flat += layer
         linears = (
             w
             for layer in self._weights
@@ -197,26 +228,71 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
         cfg = self.config
-        eps = cfg.rms_norm_eps
-        tp = self.tp
         x = self._embed(input_ids)
+        if cfg.embed_scale != 1.0:  # in the model's dtype, as transformers scales it
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         decodes = ctx.backend.decode_batch(ctx.attn_metadata) if self._kernel_weights else None
         if decodes is not None and x.shape[0] <= self._kernel_rows:
             x = self._decode_layers(x, ctx, decodes)
         else:
-            residual: torch.Tensor | None = None  # the stream the layers add to, as in vLLM
-            for i, w in enumerate(self._weights):
-                x, residual = _add_rms_norm(x, residual, w.ln1, eps)
-                x = _attention(x, w, ctx, ctx.kv_caches[i], cfg, tp)
-                x, residual = _add_rms_norm(x, residual, w.ln2, eps)
-                gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-                x = _row_parallel(cpu_kernels.silu_and_mul(gate_up), w.down_w, w.down_b, tp)
-            x, _ = _add_rms_norm(x, residual, self.norm.weight, eps)
+            x = self._layers(x, ctx)
         logits = linear(x[logits_indices], self._io[1]).float()
-        if tp is None:
+        if cfg.logit_scale != 1.0:
+            logits *= cfg.logit_scale
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        if self.tp is None:
             return logits
-        gathered = tp.gather_logits(logits)  # rank 0 samples; the others' logits go unused
+        gathered = self.tp.gather_logits(logits)  # rank 0 samples; the others' go unused
         return logits if gathered is None else gathered[:, : self.vocab_size]
+
+    def _layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The layers op by op, then the final norm. `x` is the pending output of the last
+        block (the embeddings first), `residual` the stream it joins (as in vLLM)."""
+        eps, tp = self.config.rms_norm_eps, self.tp
+        residual: torch.Tensor | None = None
+        post: torch.Tensor | None = None  # the norm the pending output takes before it joins
+        for i, w in enumerate(self._weights):
+            x, residual = _join(x, residual, post, w.ln1, eps)
+            x = self._attention(x, w, ctx, ctx.kv_caches[i])
+            x, residual = _join(x, residual, w.post1, w.ln2, eps)
+            gate_up = linear(x, w.gate_up_w, w.gate_up_b)
+            x = _row_parallel(_act_and_mul(gate_up, self.config.activation), w.down_w, w.down_b, tp)
+            post = w.post2
+        x, _ = _join(x, residual, post, self.norm.weight, eps)
+        return x
+
+    def _attention(
+        self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        cfg = self.config
+        n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
+        qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
+        if w.q_norm is not None and w.k_norm is not None:
+            q, k = qkv[:, :h], qkv[:, h : h + kvh]
+            q.copy_(self._qk_norm(q, w.q_norm, 1))
+            k.copy_(self._qk_norm(k, w.k_norm, self._kv_replicas))
+        if w.rope is not None:  # q and k, in place, in fp32
+            cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary[w.rope])
+        q, kv = split_qkv(qkv, h, kvh)
+        o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, w.attn)
+        return _row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, self.tp)
+
+    def _qk_norm(self, t: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
+        """RMSNorm of q or k (N, heads, head_dim): per head, or over the whole projection
+        (which tensor parallelism splits: the sum of squares is all-reduced, counting a
+        replicated KV head once)."""
+        eps = self.config.rms_norm_eps
+        if self.config.qk_norm == "head":
+            return cpu_kernels.rms_norm(t, weight, eps)
+        flat = t.reshape(t.shape[0], -1)
+        if self.tp is None:
+            return cpu_kernels.rms_norm(flat, weight, eps).view(t.shape)
+        squares = self.tp.all_reduce(flat.float().square().sum(-1, keepdim=True))
+        size = flat.shape[1] * self.tp.world // replicas
+        normed = flat.float() * torch.rsqrt(squares / size + eps)
+        return (normed * weight.float()).to(t.dtype).view(t.shape)
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext, b: DecodeBatch) -> torch.Tensor:
         """The layers and the final norm of a step of decodes, in one C++ call: the same
@@ -228,16 +304,19 @@ class LlamaForCausalLM(nn.Module):
             x,
             self._kernel_weights,
             ctx.kv_caches,
-            torch.view_as_real(ctx.rotary),
+            [torch.view_as_real(r) for r in ctx.rotary],
+            cfg.layer_windows,
+            cfg.layer_ropes,
             b.slot_mapping,
             b.block_tables,
             b.context_lens,
             self.norm.weight,
             cfg.rms_norm_eps,
-            cfg.head_dim**-0.5,
+            cfg.softmax_scale,
+            cfg.attn_softcap or 0.0,
             cfg.num_heads,
             cfg.num_kv_heads,
-            b.sliding_window,
+            cfg.activation,
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -262,28 +341,58 @@ def _row_parallel(
     return out if bias is None else out.add_(bias)
 
 
-def _add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x); the first call (no residual yet) starts it as x.
-    Fused on the CPU (may overwrite x and residual in place)."""
-    if residual is None:
-        return cpu_kernels.rms_norm(x, weight, eps), x
-    return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps)
-
-
-def _attention(
+def _join(
     x: torch.Tensor,
-    w: LayerWeights,
-    ctx: ForwardContext,
-    kv_cache: torch.Tensor,
-    cfg: ModelConfig,
-    tp: TPGroup | None,
-) -> torch.Tensor:
-    n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
-    qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
-    cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary)  # q and k, in place, in fp32
-    q, kv = split_qkv(qkv, h, kvh)
-    o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, hd**-0.5)
-    return _row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, tp)
+    residual: torch.Tensor | None,
+    post: torch.Tensor | None,
+    pre: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pending block output `x` (normed by `post` where the family norms after a block)
+    joins the stream `residual` (the first call, with none yet, starts it as x); returns the
+    next block's input (the stream normed by `pre`, or the stream itself where the family
+    norms before no block) and the stream. Fused on the CPU (may overwrite x and residual
+    in place)."""
+    if post is not None:
+        x = cpu_kernels.rms_norm(x, post, eps)
+    if pre is None:
+        residual = x if residual is None else residual + x
+        return residual, residual
+    if residual is None:
+        return cpu_kernels.rms_norm(x, pre, eps), x
+    return cpu_kernels.fused_add_rms_norm(x, residual, pre, eps)
+
+
+def _act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`act(gate) * up` where `gate, up = gate_up.chunk(2, -1)`."""
+    if activation == "silu":
+        return cpu_kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def _kernel_layer(w: LayerWeights, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """A layer's tensors as csrc/decoder.cpp takes them (its `Slot` order, an empty tensor for
+    what the layer lacks); None where a kernel there would refuse one (the op-by-op path falls
+    back to PyTorch instead): a norm of another dtype, a dense linear whose inputs are not a
+    multiple of 32."""
+    none = torch.empty(0, dtype=dtype)
+    norms = (w.ln1, w.post1, w.ln2, w.post2, w.q_norm, w.k_norm)
+    if any(n is not None and n.dtype != dtype for n in norms):
+        return None
+    flat = [none if n is None else n for n in norms]
+    for weight, bias in (
+        (w.qkv_w, w.qkv_b),
+        (w.o_w, w.o_b),
+        (w.gate_up_w, w.gate_up_b),
+        (w.down_w, w.down_b),
+    ):
+        if isinstance(weight, QuantizedWeight):
+            flat += [weight.qweight, weight.scales, none if weight.mins is None else weight.mins]
+        elif weight.shape[1] % 32 == 0:
+            flat += [weight, none, none]
+        else:
+            return None
+        flat.append(none if bias is None else bias)
+    return flat

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,9 +12,8 @@ from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.layers.quant import QuantizedWeight, packs_on_cpu, quantize, quantize_int8
-from pagedllm.model import arena, gguf
-from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.rope import interleave_rows
+from pagedllm.model import arena, gguf, layout
+from pagedllm.model.decoder import CausalLM
 
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
@@ -27,16 +25,6 @@ Part = tuple[int, int, int] | None
 Select = Callable[[str], Part]
 # which part of our parameter (and fused shard) a rank holds
 Slicer = Callable[[str, int | None], Part]
-
-# HF name -> (our name, shard index within a fused tensor or None)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -80,20 +68,6 @@ def iter_checkpoint(
             raise ConfigError(f"cannot read weights from {path}: {e}") from e
 
 
-def _target(name: str) -> tuple[str, int | None] | None:
-    """Map a HF tensor name to our parameter name (and fused shard), None to skip it."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    m = _LAYER.match(name)
-    if m:
-        layer, block, proj, kind = m.groups()
-        ours, shard = _FUSED.get(proj, (proj, None))
-        return f"layers.{layer}.{block}.{ours}.{kind}", shard
-    if name.startswith("model."):
-        return name.removeprefix("model."), None
-    return name, None
-
-
 def _materialize(model: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
     """Give every (meta) parameter uninitialized storage on `device` in `dtype`, for the
     loader to fill. NOTE: not `to_empty(...).to(dtype)`: torch's meta `empty_like` imports
@@ -116,36 +90,38 @@ def load_model(
     quantization: str | None = None,
     plan: ShardPlan | None = None,
     tp: TPGroup | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the model on `device` in `dtype` and fill every parameter from the checkpoint:
     its safetensors, quantized at load if `quantization` is "int8" or "int4" (layers.quant),
     or with "gguf" its GGUF file, whose quantized tensors are kept as they are. With a
     tensor-parallel `plan` (and its group `tp`), only this rank's shard is read and held."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, plan, tp)
+        model = CausalLM(cfg, plan, tp)
     _materialize(model, device, dtype)
     full, cfg = cfg, model.config  # the shard's sizes from here on
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
-    shard_sizes = _shard_sizes(cfg)
+    shard_sizes = layout.shard_sizes(cfg)
     loaded: set[tuple[str, int | None]] = set()
     slicer: Slicer | None = None
     if plan is not None:
         head_dim = full.head_dim
-        slicer = lambda ours, shard: plan.slice_of(ours, shard, head_dim)  # noqa: E731
+        slicer = lambda ours, shard: plan.slice_of(ours, shard, head_dim, full.qk_norm)  # noqa: E731
     if quantization == "gguf":
-        _fill_from_gguf(model, params, shard_sizes, loaded, Path(model_dir), cfg, slicer)
+        _fill_from_gguf(model, params, shard_sizes, loaded, Path(model_dir), full, slicer)
     else:
-        select = None if slicer is None else _by_hf_name(slicer)
+        select = None if slicer is None else _by_hf_name(slicer, full)
         tensors = iter_checkpoint(weight_files(Path(model_dir)), select)
         for hf_name, tensor in tensors:
-            target = _target(hf_name)
-            if target is not None:
-                _copy(params, shard_sizes, loaded, hf_name, target, tensor, cfg)
+            for ours, shard, part in layout.unfuse(hf_name, tensor, full):
+                where = slicer and layout.fused_in_checkpoint(hf_name) and slicer(ours, shard)
+                if where:  # a fused tensor is read whole: this rank's part of its shard
+                    dim, start, length = where
+                    part = part.narrow(dim, start, length).contiguous()
+                _copy(params, shard_sizes, loaded, hf_name, (ours, shard), part, cfg)
     _check_complete(params, shard_sizes, loaded, cfg)
-    if quantization != "gguf":
-        _interleave_rotary_rows(model, cfg)
+    layout.adapt(model, cfg, from_gguf=quantization == "gguf")
     if quantization in ("int8", "int4"):
         _quantize(model, cfg, quantization)
     if torch.device(device).type == "cpu":
@@ -182,20 +158,18 @@ def _copy(
 
 
 def _fill_from_gguf(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     params: dict[str, torch.nn.Parameter],
     shard_sizes: dict[str, list[int]],
     loaded: set[tuple[str, int | None]],
     model_dir: Path,
-    cfg: ModelConfig,
+    full: ModelConfig,
     slicer: Slicer | None,
 ) -> None:
-    device = model.norm.weight.device
+    """`full`: the whole model's config (the file's tensors are whole, in our layout)."""
+    device, cfg = model.norm.weight.device, model.config
     shards: dict[str, dict[int | None, QuantizedWeight]] = {}
-    for name, whole in gguf.read_tensors(gguf.gguf_file(model_dir)):
-        target = gguf.target(name)
-        if target is None:
-            continue
+    for name, target, whole in gguf.read_model(model_dir, full):
         part = None if slicer is None else slicer(*target)
         tensor = whole if part is None else _narrow(whole, name, *part)
         if isinstance(tensor, torch.Tensor):
@@ -222,10 +196,12 @@ def _fill_from_gguf(
         loaded.update((ours, s) for s in order)
 
 
-def _by_hf_name(slicer: Slicer) -> Select:
+def _by_hf_name(slicer: Slicer, cfg: ModelConfig) -> Select:
     def select(name: str) -> Part:
-        target = _target(name)
-        return None if target is None else slicer(*target)
+        target = layout.target(name, cfg)
+        if target is None or layout.fused_in_checkpoint(name):
+            return None
+        return slicer(*target)
 
     return select
 
@@ -273,7 +249,7 @@ _QUANTIZED_LAYER_WEIGHTS = (
 
 
 @torch.no_grad()
-def _quantize(model: LlamaForCausalLM, cfg: ModelConfig, method: str) -> None:
+def _quantize(model: CausalLM, cfg: ModelConfig, method: str) -> None:
     """The decoder layers' linear weights in `method`; the embeddings (and an untied lm_head)
     in int8 per row, as llama.cpp keeps its token embeddings at 8 bits in 4-bit files."""
     names = [
@@ -289,27 +265,6 @@ def _quantize(model: LlamaForCausalLM, cfg: ModelConfig, method: str) -> None:
     heads = ["embed_tokens.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
     for name in heads:
         model.set_quantized(name, quantize_int8(model.get_parameter(name).data))
-
-
-@torch.no_grad()
-def _interleave_rotary_rows(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
-    q = cfg.num_heads * cfg.head_dim
-    k = cfg.num_kv_heads * cfg.head_dim
-    for layer in model.decoder_layers():
-        proj = layer.self_attn.qkv_proj
-        for t in (proj.weight, proj.bias):
-            if t is None:
-                continue
-            t[:q] = interleave_rows(t[:q], cfg.num_heads, cfg.head_dim)
-            t[q : q + k] = interleave_rows(t[q : q + k], cfg.num_kv_heads, cfg.head_dim)
-
-
-def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {
-        "qkv_proj": [q, kv, kv],
-        "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-    }
 
 
 def _check_complete(

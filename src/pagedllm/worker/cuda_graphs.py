@@ -205,9 +205,10 @@ class Runner(Protocol):
     device: torch.device
     backend: Any
     block_size: int
-    rotary: torch.Tensor
     kv_caches: list[torch.Tensor]
     model: Any
+
+    def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
 
 def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
@@ -218,21 +219,20 @@ def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     if runner.device.type != "cuda" or config.enforce_eager or decode_metadata is None:
         return None
     from pagedllm.layers.attention.triton_launch import num_decode_splits
-    from pagedllm.model.llama import ForwardContext
+    from pagedllm.model.decoder import ForwardContext
 
     sizes = capture_sizes(config.scheduler.max_num_seqs)
     max_len = config.scheduler.max_model_len
     max_blocks = -(-max_len // runner.block_size)
     buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device)
-    kv_heads, window = runner.model.config.num_kv_heads, config.model.sliding_window  # the shard's
+    kv_heads = runner.model.config.num_kv_heads  # the shard's
     kernel_config = backend.kernel_config(runner.device)
 
     def forward(b: DecodeBuffers) -> torch.Tensor:
         # NOTE: split-K is fixed per graph, for the longest possible context
         splits = num_decode_splits(b.size, kv_heads, max_len, kernel_config)
-        meta = decode_metadata(b.slot_mapping, b.block_tables, b.context_lens, splits, window)
-        rotary = runner.rotary[b.positions].unsqueeze(1)
-        ctx = ForwardContext(rotary, runner.kv_caches, backend, meta)
+        meta = decode_metadata(b.slot_mapping, b.block_tables, b.context_lens, splits)
+        ctx = ForwardContext(runner.rotations(b.positions), runner.kv_caches, backend, meta)
         logits: torch.Tensor = runner.model(b.input_ids, ctx, b.logits_indices)
         return logits
 

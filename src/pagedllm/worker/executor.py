@@ -17,8 +17,8 @@ from pagedllm.distributed.comm import TPGroup
 from pagedllm.distributed.shard import ShardPlan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.model import arena, load_model
-from pagedllm.model.llama import ForwardContext
-from pagedllm.model.rope import rope_cos_sin, rotary_table
+from pagedllm.model.decoder import ForwardContext
+from pagedllm.model.rope import rotary_table
 from pagedllm.worker import cuda_graphs
 
 
@@ -80,10 +80,13 @@ class ShardExecutor:
                 torch.zeros(shape, dtype=config.dtype, device=self.device)
                 for _ in range(mcfg.num_layers)
             ]
-        cos, sin = rope_cos_sin(
-            mcfg.rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
-        )
-        self.rotary = rotary_table(cos, sin).to(self.device)
+        # one table per rope of the model (ModelConfig.ropes), (max_model_len, head_dim / 2)
+        self.rotary = [
+            rotary_table(
+                rope, mcfg.head_dim, mcfg.max_position_embeddings, config.scheduler.max_model_len
+            ).to(self.device)
+            for rope in mcfg.ropes
+        ]
         # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager),
         # captured by `capture_graphs` (with tensor parallelism: on every rank, once all hold
         # their shards, since the graphs hold the collectives)
@@ -110,7 +113,6 @@ class ShardExecutor:
             num_decodes=plan.num_decodes,
             logits_indices=t(plan.logits_indices),
             block_size=self.block_size,
-            sliding_window=self.config.model.sliding_window,
         )
 
     @torch.inference_mode()
@@ -121,10 +123,13 @@ class ShardExecutor:
         step = self.inputs(plan)
         if self.graphs is not None and not plan.eager and self.graphs.can_run(step):
             return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
-        rotary = self.rotary[step.positions].unsqueeze(1)
         metadata = self.backend.build_metadata(step)
-        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata)
+        ctx = ForwardContext(self.rotations(step.positions), self.kv_caches, self.backend, metadata)
         return self.model(step.input_ids, ctx, step.logits_indices)
+
+    def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each token's rotation by each rope of the model, (N, 1, head_dim / 2) complex."""
+        return tuple(table[positions].unsqueeze(1) for table in self.rotary)
 
 
 def use_device(device: torch.device) -> None:

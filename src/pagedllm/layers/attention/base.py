@@ -33,7 +33,6 @@ class StepInputs:
     num_decodes: int
     logits_indices: torch.Tensor  # (S,) int64: tokens whose next token is sampled
     block_size: int
-    sliding_window: int | None = None
 
 
 def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,13 +41,22 @@ def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.
     return qkv[:, :h], qkv[:, h:].view(qkv.shape[0], 2, kvh, qkv.shape[2])
 
 
+class AttnLayer(NamedTuple):
+    """One layer's attention: the softmax scale, its sliding window (a query at position p
+    sees keys (p - window, p]; None: all before it) and the logit soft-cap (scores become
+    cap * tanh(s / cap) after scaling; None: none)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
 class DecodeBatch(NamedTuple):
     """A step of decodes only, as the C++ decode kernels take it (csrc/decoder.cpp)."""
 
     slot_mapping: torch.Tensor  # (D,) int64
     block_tables: torch.Tensor  # (D, max_blocks) int64, rows contiguous
     context_lens: torch.Tensor  # (D,) int64: tokens in the cache, the new one included
-    sliding_window: int  # 0: none
 
 
 class AttentionBackend(Protocol):
@@ -77,6 +85,6 @@ class AttentionBackend(Protocol):
         kv: torch.Tensor,  # (N, 2, num_kv_heads, head_dim): the new keys and values
         kv_cache: torch.Tensor,  # kv_cache_shape(...)
         metadata: Any,
-        scale: float,
+        layer: AttnLayer,
     ) -> torch.Tensor:  # (N, num_heads, head_dim)
         ...

@@ -8,12 +8,12 @@ call; prefill chunks attend one request at a time (causal, offset by their cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.attention.base import AttnLayer, StepInputs
 
 
 @dataclass
@@ -22,7 +22,8 @@ class _Prefill:
     q_len: int
     block_ids: torch.Tensor  # (num_blocks,) the request's blocks covering its context
     ctx_len: int
-    mask: torch.Tensor  # (q_len, ctx_len) bool, True = attend
+    q_pos: torch.Tensor  # (q_len, 1) the queries' positions
+    k_pos: torch.Tensor  # (1, ctx_len) the keys'
 
 
 @dataclass
@@ -30,8 +31,27 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # (N,)
     num_decodes: int
     decode_block_ids: torch.Tensor  # (D * max_blocks,) block tables of the decodes, flattened
-    decode_mask: torch.Tensor  # (D, 1, 1, max_blocks * block_size) bool
+    decode_ctx: torch.Tensor  # (D, 1) the decodes' context lengths
+    key_pos: torch.Tensor  # (max_blocks * block_size,) key positions of the decodes' contexts
     prefills: list[_Prefill]
+    # the masks (True = attend) per sliding window, built once per step for the first layer
+    # that has that window: [decode mask (D, 1, 1, T), then one per prefill]
+    masks: dict[int | None, list[torch.Tensor]] = field(default_factory=dict)
+
+    def masks_for(self, window: int | None) -> list[torch.Tensor]:
+        masks = self.masks.get(window)
+        if masks is None:
+            decode = self.key_pos < self.decode_ctx
+            if window is not None:
+                decode &= self.key_pos >= self.decode_ctx - window
+            masks = [decode[:, None, None, :]]
+            for p in self.prefills:
+                mask = p.k_pos <= p.q_pos
+                if window is not None:
+                    mask &= p.k_pos > p.q_pos - window
+                masks.append(mask)
+            self.masks[window] = masks
+        return masks
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -50,34 +70,27 @@ class TorchAttentionBackend:
 
     def build_metadata(self, step: StepInputs) -> TorchAttentionMetadata:
         device = step.input_ids.device
-        d, bs, window = step.num_decodes, step.block_size, step.sliding_window
+        d, bs = step.num_decodes, step.block_size
         ctx = torch.tensor(step.context_lens[:d], device=device)
         max_blocks = -(-max(step.context_lens[:d], default=0) // bs)
-        key_pos = torch.arange(max_blocks * bs, device=device)
-        mask = key_pos < ctx[:, None]
-        if window is not None:
-            mask &= key_pos >= (ctx - window)[:, None]
-        prefills = [self._prefill(step, r, window) for r in range(d, len(step.context_lens))]
         return TorchAttentionMetadata(
             slot_mapping=step.slot_mapping,
             num_decodes=d,
             decode_block_ids=step.block_tables[:d, :max_blocks].flatten(),
-            decode_mask=mask[:, None, None, :],
-            prefills=prefills,
+            decode_ctx=ctx[:, None],
+            key_pos=torch.arange(max_blocks * bs, device=device),
+            prefills=[self._prefill(step, r) for r in range(d, len(step.context_lens))],
         )
 
     @staticmethod
-    def _prefill(step: StepInputs, r: int, window: int | None) -> _Prefill:
+    def _prefill(step: StepInputs, r: int) -> _Prefill:
         device = step.input_ids.device
         q_start, q_end = step.query_start_loc[r], step.query_start_loc[r + 1]
         q_len, ctx_len = q_end - q_start, step.context_lens[r]
         num_blocks = -(-ctx_len // step.block_size)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
         k_pos = torch.arange(ctx_len, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        return _Prefill(q_start, q_len, step.block_tables[r, :num_blocks], ctx_len, mask)
+        return _Prefill(q_start, q_len, step.block_tables[r, :num_blocks], ctx_len, q_pos, k_pos)
 
     def decode_batch(self, metadata: TorchAttentionMetadata) -> None:
         return None  # no fused CPU decode
@@ -88,7 +101,7 @@ class TorchAttentionBackend:
         kv: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
-        scale: float,
+        layer: AttnLayer,
     ) -> torch.Tensor:
         m = metadata
         kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, m.slot_mapping, kv)
@@ -96,6 +109,7 @@ class TorchAttentionBackend:
         num_kv_heads = kv.shape[2]
         group = num_heads // num_kv_heads
         d = m.num_decodes
+        masks = m.masks_for(layer.window)
         outs = []
         if d:
             # GQA without copies: the query heads of one KV head act as its query rows.
@@ -103,15 +117,37 @@ class TorchAttentionBackend:
             ctx = _gather(kv_cache, m.decode_block_ids, d)
             qd = q[:d].view(d, num_kv_heads, group, head_dim)
             k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=m.decode_mask, scale=scale)
+            o = _attend(qd, k, v, masks[0], layer, False)
             outs.append(o.reshape(d, num_heads, head_dim))  # CUDA kernels may permute it
-        for p in m.prefills:
+        for p, mask in zip(m.prefills, masks[1:], strict=True):
             # (1, heads, L, hd) x (1, kv, T, hd), causal after the cached prefix
             ctx = _gather(kv_cache, p.block_ids, 1)[0, : p.ctx_len]
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)[None]
             k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=group > 1
-            )
+            o = _attend(qp, k, v, mask, layer, group > 1)
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    layer: AttnLayer,
+    gqa: bool,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped], masked) v; without a soft-cap, torch's fused
+    attention."""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
+        )
+    if gqa:  # (1, kv, T, hd) -> (1, heads, T, hd)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    cap = layer.softcap
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
