@@ -291,32 +291,35 @@ def test_gpu_code_is_imported_lazily() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("split", [False, True])
 def test_gpu_compiled_kernels_match_reference(
-    dtype: torch.dtype, window: int | None, split: bool
+    dtype: torch.dtype, window: int | None, softcap: float | None, split: bool
 ) -> None:
     """The compiled kernels (tensor-core dots in bf16/fp16) on the GPU. NOTE: run the `gpu`
     tests in a pytest process without test_triton_kernels.py, whose interpreter set-up would
     break compiled launches after it (see docs/gpu.md)."""
     from test_triton_kernels import ATOL, make_step, to_head_major
 
+    from pagedllm.layers.attention.base import AttnLayer
     from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
     from pagedllm.layers.attention.triton_launch import KernelConfig
 
     requests = [(0, 1), (8, 1), (700, 1), (11, 90), (0, 200), (300, 37)]
-    step, num_blocks = make_step(requests, 16, window)
+    step, num_blocks = make_step(requests, 16)
     step = StepInputs(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in vars(step).items()})
     gen = torch.Generator("cuda").manual_seed(0)
     n, heads, kv_heads, hd = len(step.positions), 28, 4, 128
     cache = torch.randn(num_blocks, 16, 2, kv_heads, hd, device="cuda", generator=gen).to(dtype)
     qkv = torch.randn(n, heads + 2 * kv_heads, hd, device="cuda", generator=gen).to(dtype)
     q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, hd)
+    layer = AttnLayer(hd**-0.5, window, softcap)
     ref, ref_cache = TorchAttentionBackend(), cache.clone()
-    expected = ref.forward(q, kv, ref_cache, ref.build_metadata(step), hd**-0.5)
+    expected = ref.forward(q, kv, ref_cache, ref.build_metadata(step), layer)
     cfg = KernelConfig(min_split_tokens=64 if split else 1 << 20)
     backend, tri_cache = TritonAttentionBackend(cfg), to_head_major(cache)
-    out = backend.forward(q, kv, tri_cache, backend.build_metadata(step), hd**-0.5)
+    out = backend.forward(q, kv, tri_cache, backend.build_metadata(step), layer)
     assert torch.equal(tri_cache, to_head_major(ref_cache))
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 

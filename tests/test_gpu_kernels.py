@@ -1,6 +1,7 @@
 """On a CUDA device: the very launches that CI compiles (tests/test_kernels_compile.py, from
 pagedllm.layers.kernel_workloads) run with random values against the pure-PyTorch reference
-backend, for every model shape we claim and fp16/bf16/fp32; and what the device compiles is
+backend, for every model shape and kind of layer (window, soft-cap) we claim and
+fp16/bf16/fp32; and what the device compiles is
 what CI recorded for its architecture, launch for launch. Run in a process of its own (no
 interpreted tests before it; see docs/gpu.md)."""
 
@@ -21,15 +22,17 @@ pytestmark = [
 ATOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def reference(case: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, cache after the write) of the reference backend on the case's values."""
+def reference(case: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(output of each layer, cache after the writes) of the reference backend on the case's
+    values."""
     from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
 
     ref = TorchAttentionBackend()
     # head-major (blocks, 2, kv, slot, dim) -> reference (blocks, slot, 2, kv, dim)
     cache = case.cache.permute(0, 3, 1, 2, 4).contiguous()
-    out = ref.forward(case.q, case.kv, cache, ref.build_metadata(case.step), case.scale)
-    return out, cache.permute(0, 2, 3, 1, 4)
+    meta = ref.build_metadata(case.step)
+    outs = [ref.forward(case.q, case.kv, cache, meta, layer) for layer in case.layers]
+    return outs, cache.permute(0, 2, 3, 1, 4)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
@@ -44,11 +47,14 @@ def test_every_claimed_shape_matches_the_reference(dtype: str) -> None:
     for geo in GEOMETRIES:
         for case in attention_cases(geo, DTYPES[dtype], "cuda", generator=gen):
             expected, ref_cache = reference(case)
-            out = run_case(backend, case)
+            outs = run_case(backend, case)
             torch.cuda.synchronize()
-            error = (out.float() - expected.float()).abs().max().item()
-            if error > ATOL[out.dtype] or not torch.equal(case.cache, ref_cache):
-                failures.append(f"{case.label}: max error {error:.2e}")
+            if not torch.equal(case.cache, ref_cache):
+                failures.append(f"{case.label}: the cache")
+            for layer, out, want in zip(case.layers, outs, expected, strict=True):
+                error = (out.float() - want.float()).abs().max().item()
+                if error > ATOL[out.dtype]:
+                    failures.append(f"{case.label} {layer}: max error {error:.2e}")
     assert not failures, failures
 
 

@@ -1,6 +1,7 @@
 """The Triton-language attention kernels, run by the Triton interpreter on CPU tensors, against
 the pure-PyTorch reference backend: the cache write, paged decode (GQA, split-K), prefill and
-chunked prefill (cached prefixes), sliding windows, three dtypes, and a whole model forward.
+chunked prefill (cached prefixes), per-layer sliding windows and logit soft-caps, head dims 64
+to 256, three dtypes, and whole model forwards (Llama, Mistral, Gemma 2 and 3).
 
 Tolerances (absolute, outputs of magnitude ~1): fp32 2e-5 (both sides accumulate in fp32; the
 kernels' online softmax only reorders the sums); fp16 5e-3 and bf16 2e-2 (the kernels round the
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 import torch
-from test_cpu_attention import make_step
+from test_cpu_attention import random_tables
 
 from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.layers.attention.base import AttnLayer
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
 from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_launch
 
@@ -47,6 +49,35 @@ def small_tiles(tk: ModuleType, **overrides: int) -> object:
     return KernelConfig(**{**knobs, **overrides})
 
 
+def make_step(
+    requests: list[tuple[int, int]], block_size: int, num_decodes: int | None = None
+) -> tuple[StepInputs, int]:
+    """A step over `requests` = [(cached prefix, new tokens)] with shuffled block tables
+    (decodes first: by default the requests before the first with several new tokens); and
+    the pool size."""
+    lens = [p + n for p, n in requests]
+    tables, num_blocks = random_tables(lens, block_size, torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(p, p + n) for p, n in requests])
+    owner = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(requests)])
+    starts = [0]
+    for _, n in requests:
+        starts.append(starts[-1] + n)
+    if num_decodes is None:
+        num_decodes = next((r for r, (_, n) in enumerate(requests) if n > 1), len(requests))
+    step = StepInputs(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64),
+        positions=positions,
+        slot_mapping=tables[owner, positions // block_size] * block_size + positions % block_size,
+        query_start_loc=starts,
+        context_lens=lens,
+        block_tables=tables,
+        num_decodes=num_decodes,
+        logits_indices=torch.tensor(starts[1:]) - 1,
+        block_size=block_size,
+    )
+    return step, num_blocks
+
+
 def to_head_major(ref_cache: torch.Tensor) -> torch.Tensor:
     # (blocks, block_size, 2, kv_heads, hd) -> (blocks, 2, kv_heads, block_size, hd)
     return ref_cache.permute(0, 2, 3, 1, 4).contiguous()
@@ -62,31 +93,31 @@ def run_both(
     kv_heads: int = 1,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    softcap: float | None = None,
     num_decodes: int | None = None,
     config: object | None = None,
-    ref_step: StepInputs | None = None,
-    scale_factor: float = 1.0,
+    perturb: Callable[[AttnLayer], AttnLayer] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Triton backend output, reference output) for one layer of one step on random inputs;
-    also checks that both caches hold the same keys and values afterwards. `ref_step` and
-    `scale_factor` perturb the Triton side only (for the tests that must detect a mistake)."""
+    also checks that both caches hold the same keys and values afterwards. `perturb` changes
+    the Triton side's layer only (for the tests that must detect a mistake)."""
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 
-    step, num_blocks = make_step(requests, block_size, window, num_decodes)
+    step, num_blocks = make_step(requests, block_size, num_decodes)
     gen = torch.Generator().manual_seed(block_size * 1000 + head_dim + group)
     n, heads = len(step.positions), kv_heads * group
     cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
     # q and kv are strided views of one qkv buffer, as in the model
     qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, head_dim)
-    scale = head_dim**-0.5
+    layer = AttnLayer(head_dim**-0.5, window, softcap)
 
     ref, ref_cache = TorchAttentionBackend(), cache.clone()
-    expected = ref.forward(q, kv, ref_cache, ref.build_metadata(step), scale)
+    expected = ref.forward(q, kv, ref_cache, ref.build_metadata(step), layer)
     backend = TritonAttentionBackend(config or small_tiles(tk))  # type: ignore[arg-type]
     tri_cache = to_head_major(cache)
-    meta = backend.build_metadata(ref_step or step)
-    out = backend.forward(q, kv, tri_cache, meta, scale * scale_factor)
+    meta = backend.build_metadata(step)
+    out = backend.forward(q, kv, tri_cache, meta, perturb(layer) if perturb else layer)
     assert torch.equal(tri_cache, to_head_major(ref_cache))
     assert out.shape == (n, heads, head_dim) and out.dtype == dtype
     return out, expected
@@ -130,17 +161,18 @@ def test_decode_matches_reference(
     assert_matches(out, expected)
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("num_splits", [2, 4, 8])
 def test_decode_split_k_matches_reference(
-    tk: ModuleType, num_splits: int, window: int | None
+    tk: ModuleType, num_splits: int, window: int | None, softcap: float | None
 ) -> None:
     # 8 splits of a 3-tile context: some splits see no key at all
     cfg = small_tiles(tk, max_splits=num_splits, min_split_tokens=1, num_sms=64)
     assert num_decode_splits(3, 2, 70, cfg) == num_splits
     requests = [(2, 1), (40, 1), (69, 1)]
     out, expected = run_both(
-        tk, requests, kv_heads=2, group=2, config=cfg, block_size=16, window=window
+        tk, requests, kv_heads=2, group=2, config=cfg, block_size=16, window=window, softcap=softcap
     )
     assert_matches(out, expected)
 
@@ -155,6 +187,23 @@ def test_split_heuristic() -> None:
         KernelConfig(decode_block_n=48)
     with pytest.raises(ValueError, match=">= 16"):
         KernelConfig(prefill_block_m=8)
+
+
+def test_a_windowed_layer_splits_its_window_only() -> None:
+    """One step's metadata serves every layer: a windowed layer splits at most its window,
+    for the heuristic (eager) and for a count a graph fixed alike."""
+    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    step, _ = make_step([(8000, 1)], 16)
+    eager = backend.build_metadata(step)
+    graph = backend.decode_metadata(
+        step.slot_mapping, step.block_tables.int(), torch.tensor([8001], dtype=torch.int32), 16
+    )
+    for meta in (eager, graph):
+        assert backend.decode_splits(meta, 8, None) == 16
+        assert backend.decode_splits(meta, 8, 512) == 2
+        assert backend.decode_splits(meta, 8, 100) == 1
 
 
 # --- prefill and chunked prefill ------------------------------------------------------------
@@ -177,25 +226,50 @@ def test_prefill_matches_reference(
     assert_matches(out, expected)
 
 
-def test_prefill_without_cached_prefix(tk: ModuleType) -> None:
-    out, expected = run_both(tk, [(0, 17), (0, 1), (0, 32)], num_decodes=0, kv_heads=2)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_prefill_without_cached_prefix(tk: ModuleType, softcap: float | None) -> None:
+    requests = [(0, 17), (0, 1), (0, 32)]
+    out, expected = run_both(tk, requests, num_decodes=0, kv_heads=2, softcap=softcap)
     assert_matches(out, expected)
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("window", [1, 6, 40])
-def test_sliding_window_matches_reference(tk: ModuleType, window: int) -> None:
+def test_sliding_window_matches_reference(
+    tk: ModuleType, window: int, softcap: float | None
+) -> None:
     # decodes and chunks with contexts shorter than, equal to and longer than the window
     requests = [(0, 1), (5, 1), (6, 1), (45, 1), (0, 6), (11, 22), (40, 3)]
-    out, expected = run_both(tk, requests, window=window, kv_heads=2, group=2)
+    out, expected = run_both(tk, requests, window=window, softcap=softcap, kv_heads=2, group=2)
     assert_matches(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 6])
-def test_mixed_batch_dtypes(tk: ModuleType, dtype: torch.dtype, window: int | None) -> None:
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, None), (None, 1.5), (6, 50.0)])
+def test_mixed_batch_dtypes(
+    tk: ModuleType, dtype: torch.dtype, window: int | None, softcap: float | None
+) -> None:
     # 3 decodes (one on its first token), then two prefill chunks (one with a cached prefix)
     requests = [(0, 1), (8, 1), (29, 1), (11, 9), (0, 20)]
-    out, expected = run_both(tk, requests, dtype=dtype, window=window, kv_heads=2, group=3)
+    out, expected = run_both(
+        tk, requests, dtype=dtype, window=window, softcap=softcap, kv_heads=2, group=3
+    )
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, 2.0)])
+@pytest.mark.parametrize("split", [False, True])
+def test_head_dim_256(
+    tk: ModuleType, dtype: torch.dtype, window: int | None, softcap: float | None, split: bool
+) -> None:
+    """Gemma 2 / 3's head dim, with the tiles the GPU runs (`KernelConfig()`): decodes
+    split and unsplit, a chunk over a cached prefix, a prompt; GQA."""
+    cfg = KernelConfig(min_split_tokens=16 if split else 1 << 20)
+    requests = [(3, 1), (75, 1), (40, 30), (0, 9)]
+    out, expected = run_both(
+        tk, requests, config=cfg, head_dim=256, dtype=dtype, window=window, softcap=softcap
+    )
     assert_matches(out, expected)
 
 
@@ -239,7 +313,7 @@ def test_kernels_accept_the_reference_layout_as_a_view(tk: ModuleType) -> None:
     q = torch.randn(2, 4, 64, generator=gen)
     kv = torch.randn(2, 2, 2, 64, generator=gen)
     ref = TorchAttentionBackend()
-    expected = ref.forward(q, kv, ref_cache.clone(), ref.build_metadata(step), 0.125)
+    expected = ref.forward(q, kv, ref_cache.clone(), ref.build_metadata(step), AttnLayer(0.125))
     view = ref_cache.permute(0, 2, 3, 1, 4)  # not contiguous
     tk.write_kv(kv, view, step.slot_mapping)
     out = torch.empty_like(q)
@@ -252,7 +326,8 @@ def test_kernels_accept_the_reference_layout_as_a_view(tk: ModuleType) -> None:
 
 
 def test_a_wrong_scale_is_detected(tk: ModuleType) -> None:
-    out, expected = run_both(tk, [(8, 1), (11, 9)], scale_factor=1.02)
+    wrong = lambda layer: layer._replace(scale=layer.scale * 1.02)  # noqa: E731
+    out, expected = run_both(tk, [(8, 1), (11, 9)], perturb=wrong)
     with pytest.raises(AssertionError):
         assert_matches(out, expected)
 
@@ -260,9 +335,19 @@ def test_a_wrong_scale_is_detected(tk: ModuleType) -> None:
 @pytest.mark.parametrize("requests", [[(30, 1)], [(30, 6)]])
 def test_one_masked_key_is_detected(tk: ModuleType, requests: list[tuple[int, int]]) -> None:
     # the Triton side drops a single key of the longest row (a window of ctx - 1 tokens)
-    ctx = sum(requests[0])
-    ref_step, _ = make_step(requests, 8, window=ctx - 1)
-    out, expected = run_both(tk, requests, ref_step=ref_step)
+    narrow = lambda layer: layer._replace(window=sum(requests[0]) - 1)  # noqa: E731
+    out, expected = run_both(tk, requests, perturb=narrow)
+    with pytest.raises(AssertionError):
+        assert_matches(out, expected)
+
+
+@pytest.mark.parametrize(("softcap", "wrong"), [(50.0, None), (50.0, 49.0), (None, 50.0)])
+def test_a_wrong_softcap_is_detected(
+    tk: ModuleType, softcap: float | None, wrong: float | None
+) -> None:
+    # Gemma 2's cap of 50 barely bends these scores (|s| < 5): dropping or moving it must show
+    perturb = lambda layer: layer._replace(softcap=wrong)  # noqa: E731
+    out, expected = run_both(tk, [(20, 1), (11, 9)], softcap=softcap, perturb=perturb)
     with pytest.raises(AssertionError):
         assert_matches(out, expected)
 
@@ -274,76 +359,3 @@ def test_registry_picks_triton_on_cuda() -> None:
     assert isinstance(create_attention_backend("auto", "cuda:1"), TritonAttentionBackend)
     assert isinstance(create_attention_backend("triton", "cpu"), TritonAttentionBackend)
     assert create_attention_backend("torch", "cuda").name == "torch"
-
-
-# --- the whole model -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_model_forward_matches_reference(
-    tk: ModuleType, checkpoints: dict[str, Path], arch: str
-) -> None:
-    """Two steps of the tiny model: three prompts (one chunked), then a mixed batch of two
-    decodes and the chunked prompt's second chunk over its cached prefix (past Mistral's
-    24-token window). The logits and the caches of both backends agree."""
-    from pagedllm.config import ModelConfig
-    from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
-    from pagedllm.model import load_model
-    from pagedllm.model.llama import ForwardContext
-    from pagedllm.model.rope import rope_cos_sin, rotary_table
-
-    mcfg = ModelConfig.from_model_dir(checkpoints[arch])
-    model = load_model(checkpoints[arch], mcfg, torch.float32, "cpu")
-    rotary = rotary_table(*rope_cos_sin(mcfg.rope, mcfg.head_dim, 512, 512))
-    block_size, num_blocks = 8, 24
-    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[:18]
-    tables = tables.view(3, 6)
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(2, mcfg.vocab_size, (3, 40), generator=gen)
-
-    def step(requests: list[tuple[int, int, int]], num_decodes: int) -> StepInputs:
-        # [(request, start position, new tokens)]
-        positions = torch.cat([torch.arange(p, p + n) for _, p, n in requests])
-        owner = torch.cat([torch.full((n,), r) for r, _, n in requests])
-        starts = [0]
-        for _, _, n in requests:
-            starts.append(starts[-1] + n)
-        rows = [r for r, _, _ in requests]
-        return StepInputs(
-            input_ids=tokens[owner, positions],
-            positions=positions,
-            slot_mapping=tables[owner, positions // block_size] * block_size
-            + positions % block_size,
-            query_start_loc=starts,
-            context_lens=[p + n for _, p, n in requests],
-            block_tables=tables[rows],
-            num_decodes=num_decodes,
-            logits_indices=torch.tensor(starts[1:]) - 1,
-            block_size=block_size,
-            sliding_window=mcfg.sliding_window,
-        )
-
-    steps = [
-        step([(0, 0, 12), (1, 0, 20), (2, 0, 7)], 0),
-        step([(0, 12, 1), (2, 7, 1), (1, 20, 14)], 2),
-    ]
-    shape = (num_blocks, block_size, 2, mcfg.num_kv_heads, mcfg.head_dim)
-    results = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend(small_tiles(tk))):
-        caches = [
-            torch.zeros(backend.kv_cache_shape(*shape[:1], block_size, *shape[3:]))
-            for _ in range(mcfg.num_layers)
-        ]
-        logits = []
-        for s in steps:
-            ctx = ForwardContext(rotary[s.positions].unsqueeze(1), caches, backend, None)
-            ctx = ctx._replace(attn_metadata=backend.build_metadata(s))
-            with torch.inference_mode():
-                logits.append(model(s.input_ids, ctx, s.logits_indices))
-        results.append((logits, caches))
-    (ref_logits, ref_caches), (tri_logits, tri_caches) = results
-    for expected, got in zip(ref_logits, tri_logits, strict=True):
-        assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    for expected, got in zip(ref_caches, tri_caches, strict=True):
-        torch.testing.assert_close(got, to_head_major(expected), atol=1e-5, rtol=0)

@@ -252,13 +252,15 @@ def report(archs: list[int] | None = None, workers: int | None = None) -> dict[s
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """One line per kernel x dtype x head dim; its distinct launch options (MHA and GQA may
-    differ); per architecture the worst case over its variants (window, split, GQA):
-    registers, shared memory, resident warps per SM."""
+    differ); per architecture the worst case over its variants (window, soft-cap, split,
+    GQA): registers, shared memory, resident warps per SM."""
     archs = sorted({r["arch"] for r in rows}, key=lambda a: int(a[3:]))
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
         width = r["constexprs"].get("BLOCK_D")
-        dims = "-" if width is None else "64" if width <= 64 else "80-128"
+        dims = (
+            "-" if width is None else "64" if width <= 64 else "80-128" if width <= 128 else "256"
+        )
         groups.setdefault((r["kernel"], r["dtype"], dims), []).append(r)
     head = ["kernel", "dtype", "head dim", "tile, warps, stages", "variants", *archs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -268,7 +270,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         tile = "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_G", "BLOCK_N") if k in c)
         return f"{tile or '-'}, {r['num_warps']}, {r['num_stages']}"
 
-    for (kernel, dtype, dims), group in sorted(groups.items()):
+    def order(key: tuple[str, str, str]) -> tuple[str, str, int]:
+        return key[0], key[1], int(key[2].split("-")[0]) if key[2] != "-" else 0
+
+    for (kernel, dtype, dims), group in sorted(groups.items(), key=lambda item: order(item[0])):
         cells = []
         for arch in archs:
             on = [r for r in group if r["arch"] == arch]

@@ -1,7 +1,8 @@
-"""The kernel workloads the compile check records and the GPU check runs: one layer's
-attention for each model shape we claim and dtype, as the model runner and the graph runner
-launch it, and the bitmask launch. Built on any device, with zeros (recording: nothing runs)
-or random values (the GPU check compares them with the reference backend)."""
+"""The kernel workloads the compile check records and the GPU check runs: the attention of each
+kind of layer (window, soft-cap) of each model shape we claim, per dtype, over one step's
+metadata as the model runner and the graph runner build it, and the bitmask launch. Built on
+any device, with zeros (recording: nothing runs) or random values (the GPU check compares them
+with the reference backend)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,44 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.attention.base import StepInputs
+from pagedllm.layers.attention.base import AttnLayer, StepInputs
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+GLOBAL = ((None, None),)  # every layer global, no soft-cap
+
+
 @dataclass(frozen=True)
 class Geometry:
-    """The attention shape of a model class we claim: query heads, KV heads, head dim."""
+    """The attention shape of a model class we claim: query heads, KV heads, head dim, and the
+    kinds of its layers, (sliding window, logit soft-cap) each."""
 
     model: str
     heads: int
     kv_heads: int
     head_dim: int
-    window: int | None = None
+    layers: tuple[tuple[int | None, float | None], ...] = GLOBAL
+
+    def label(self) -> str:
+        """Its kinds of layers: "window 4096+softcap 50 / softcap 50"."""
+        kinds = []
+        for window, softcap in self.layers:
+            parts = [f"window {window}"] if window else []
+            parts += [f"softcap {softcap:g}"] if softcap else []
+            kinds.append("+".join(parts) or "global")
+        return " / ".join(kinds)
 
 
-# head dims 64 / 80 / 96 / 128, GQA groups 1 to 8, a sliding window
+def alternating(
+    window: int, softcap: float | None = None
+) -> tuple[tuple[int | None, float | None], ...]:
+    """The two kinds of layers of a model with windowed and global ones (Gemma 2 alternates
+    them, Gemma 3 has five windowed layers per global one)."""
+    return ((window, softcap), (None, softcap))
+
+
+# head dims 64 / 80 / 96 / 128 / 256, GQA groups 1 to 8, windowed and soft-capped layers
 GEOMETRIES = (
     Geometry("SmolLM2-135M", 9, 3, 64),
     Geometry("Qwen2-0.5B", 14, 2, 64),
@@ -36,8 +58,15 @@ GEOMETRIES = (
     Geometry("Llama-2-7B", 32, 32, 128),
     Geometry("Llama-3-8B", 32, 8, 128),
     Geometry("Qwen2-7B", 28, 4, 128),
+    Geometry("Qwen3-0.6B", 16, 8, 128),
+    Geometry("SmolLM3-3B", 16, 4, 128),
     Geometry("Llama-3-70B", 64, 8, 128),
-    Geometry("Mistral-7B", 32, 8, 128, window=4096),
+    Geometry("Mistral-7B", 32, 8, 128, ((4096, None),)),
+    Geometry("Gemma-2-2B", 8, 4, 256, alternating(4096, 50.0)),
+    Geometry("Gemma-2-27B", 32, 16, 128, alternating(4096, 50.0)),
+    Geometry("Gemma-3-270M", 4, 1, 256, alternating(512)),
+    Geometry("Gemma-3-4B", 8, 4, 256, alternating(1024)),
+    Geometry("Gemma-3-27B", 32, 16, 128, alternating(1024)),
 )
 BLOCK_SIZE = 16
 VOCAB = 49152  # SmolLM2's: the bitmask launch
@@ -45,22 +74,21 @@ VOCAB = 49152  # SmolLM2's: the bitmask launch
 
 @dataclass
 class AttentionCase:
-    """One backend call: a step, its q / new keys-values (views of one qkv projection, as the
-    model makes them) and a head-major cache. `splits` None: the backend builds the step's
-    metadata (the eager path); else the graph runner's decode metadata with that split count."""
+    """A step's backend calls, one per kind of layer over the step's one metadata: the step,
+    its q / new keys-values (views of one qkv projection, as the model makes them) and a
+    head-major cache. `splits` None: the backend builds the step's metadata (the eager path);
+    else the graph runner's decode metadata with that split count."""
 
     label: str
     step: StepInputs
     q: torch.Tensor
     kv: torch.Tensor
     cache: torch.Tensor
-    scale: float
+    layers: tuple[AttnLayer, ...]
     splits: int | None
 
 
-def make_step(
-    requests: list[tuple[int, int]], window: int | None, device: str = "cpu"
-) -> tuple[StepInputs, int]:
+def make_step(requests: list[tuple[int, int]], device: str = "cpu") -> tuple[StepInputs, int]:
     """A step of (cached prefix, new tokens) requests, decodes (1 new token) first, with
     consecutive blocks; also the number of blocks used."""
     tables: list[list[int]] = []
@@ -86,7 +114,6 @@ def make_step(
         num_decodes=sum(new == 1 for _, new in requests),
         logits_indices=torch.tensor(starts[1:], device=device) - 1,
         block_size=BLOCK_SIZE,
-        sliding_window=window,
     )
     return step, used
 
@@ -115,18 +142,20 @@ def attention_cases(
 
     layout = TritonAttentionBackend().kv_cache_shape
     name = f"{geo.model} {_short(dtype)}"
+    layers = tuple(AttnLayer(geo.head_dim**-0.5, w, c) for w, c in geo.layers)
     # max_splits is a power of two: 1, 2, 4, ... max_splits
     for splits in [None, *(1 << i for i in range(max_splits.bit_length()))]:
-        step, blocks = make_step(MIXED if splits is None else DECODES, geo.window, device)
+        step, blocks = make_step(MIXED if splits is None else DECODES, device)
         cache = values(*layout(blocks, BLOCK_SIZE, geo.kv_heads, geo.head_dim))
         qkv = values(step.query_start_loc[-1], geo.heads + 2 * geo.kv_heads, geo.head_dim)
         q, kv = split_qkv(qkv, geo.heads, geo.kv_heads)
         label = f"{name} mixed" if splits is None else f"{name} decode x{splits}"
-        yield AttentionCase(label, step, q, kv, cache, geo.head_dim**-0.5, splits)
+        yield AttentionCase(label, step, q, kv, cache, layers, splits)
 
 
-def run_case(backend: object, case: AttentionCase) -> torch.Tensor:
-    """The Triton backend's output for the case, through the path the case names."""
+def run_case(backend: object, case: AttentionCase) -> list[torch.Tensor]:
+    """The Triton backend's output for each of the case's layers, through the path the case
+    names (each layer writes the same keys and values into the cache again)."""
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 
     assert isinstance(backend, TritonAttentionBackend)
@@ -139,9 +168,8 @@ def run_case(backend: object, case: AttentionCase) -> torch.Tensor:
             step.block_tables.int(),
             torch.tensor(step.context_lens, dtype=torch.int32, device=step.block_tables.device),
             case.splits,
-            step.sliding_window,
         )
-    return backend.forward(case.q, case.kv, case.cache, meta, case.scale)
+    return [backend.forward(case.q, case.kv, case.cache, meta, layer) for layer in case.layers]
 
 
 def bitmask_launches(device: str = "cpu") -> None:
@@ -170,6 +198,5 @@ def workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
                 for case in cases:
                     run_case(backend, case)
 
-            window = f" window {geo.window}" if geo.window else ""
-            yield f"{geo.model} {dname} hd{geo.head_dim}{window}", run
+            yield f"{geo.model} {dname} hd{geo.head_dim} {geo.label()}", run
     yield "bitmask fp32", lambda: bitmask_launches(device)

@@ -8,7 +8,8 @@ of the reference layout; the tests use that to compare both backends on the same
 Per-step metadata is built from the step's host lists (query starts, context lengths) and
 copied to the device without a synchronization (pinned memory, non-blocking); the decode path
 can also be built straight from device buffers (`decode_metadata`), which is what a CUDA graph
-captures.
+captures. It holds nothing of a layer: each layer's window, soft-cap and scale (`AttnLayer`)
+come with its `forward` call and select the kernels' variants per launch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers.attention import triton_kernels, triton_prefill
-from pagedllm.layers.attention.base import StepInputs, host_to_device
+from pagedllm.layers.attention.base import AttnLayer, StepInputs, host_to_device
 from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_tiles
 
 
@@ -34,7 +35,6 @@ class TritonAttentionMetadata:
     num_splits: int | None  # decode split-K (a power of two); None: chosen per launch
     tile_request: torch.Tensor  # (T,) int32: prefill query tiles
     tile_row: torch.Tensor  # (T,) int32
-    sliding_window: int | None
 
 
 class TritonAttentionBackend:
@@ -72,7 +72,6 @@ class TritonAttentionBackend:
             num_splits=None,
             tile_request=host_to_device(requests, device, i32),
             tile_row=host_to_device(rows, device, i32),
-            sliding_window=step.sliding_window,
         )
 
     def decode_metadata(
@@ -81,7 +80,6 @@ class TritonAttentionBackend:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         num_splits: int,
-        sliding_window: int | None,
     ) -> TritonAttentionMetadata:
         """A decode-only step over device buffers (D rows each): no host list, no copy, so a
         CUDA graph can capture it; `num_splits` is fixed for the graph's lifetime."""
@@ -96,7 +94,6 @@ class TritonAttentionBackend:
             num_splits=num_splits,
             tile_request=empty,
             tile_row=empty,
-            sliding_window=sliding_window,
         )
 
     def decode_batch(self, metadata: TritonAttentionMetadata) -> None:
@@ -108,24 +105,25 @@ class TritonAttentionBackend:
         kv: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
-        scale: float,
+        layer: AttnLayer,
     ) -> torch.Tensor:
         m, cfg = metadata, self.config
         triton_kernels.write_kv(kv, kv_cache, m.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = m.num_decodes
         if d:
-            splits = m.num_splits or num_decode_splits(d, kv.shape[2], m.max_decode_context, cfg)
+            splits = self.decode_splits(m, kv.shape[2], layer.window)
             triton_kernels.paged_decode(
                 out[:d],
                 q[:d],
                 kv_cache,
                 m.block_tables,
                 m.context_lens,
-                scale,
+                layer.scale,
                 splits,
-                m.sliding_window,
+                layer.window,
                 cfg,
+                layer.softcap,
             )
         if m.tile_request.shape[0]:
             triton_prefill.paged_prefill(
@@ -137,8 +135,24 @@ class TritonAttentionBackend:
                 m.context_lens,
                 m.tile_request,
                 m.tile_row,
-                scale,
-                m.sliding_window,
+                layer.scale,
+                layer.window,
                 cfg,
+                layer.softcap,
             )
         return out
+
+    def decode_splits(
+        self, metadata: TritonAttentionMetadata, num_kv_heads: int, window: int | None
+    ) -> int:
+        """A layer's decode split-K: the step's (the count a graph fixed, or the heuristic over
+        the longest decode context), capped for a windowed layer by the heuristic over its
+        window, the most keys it reads per request. The heuristic grows with the context, so
+        the cap is the heuristic over min(context, window) in both cases."""
+        m, cfg = metadata, self.config
+        splits = m.num_splits or num_decode_splits(
+            m.num_decodes, num_kv_heads, m.max_decode_context, cfg
+        )
+        if window is not None:
+            splits = min(splits, num_decode_splits(m.num_decodes, num_kv_heads, window, cfg))
+        return splits

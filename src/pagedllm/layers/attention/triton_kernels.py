@@ -15,6 +15,11 @@ any layout whose last dimension is contiguous works: the backend's own head-majo
 permuted view of the reference layout alike. Keys are looked up slot by slot through the block
 table (`pos // block_size`), so a key tile (`BLOCK_N`) is independent of the block size.
 
+A layer's features are constexpr switches of the attention kernels, chosen per launch from its
+`AttnLayer`: `USE_WINDOW` (a sliding window: the key loop starts where the window does) and
+`SOFTCAP` (logits capped as cap * tanh(s / cap) before the mask, see `score_scales`); a layer
+without them runs a kernel compiled without their code.
+
 No launch reads a device value on the host: grids depend on host-known sizes only.
 
 NOTE: under the interpreter (`TRITON_INTERPRET=1`, decided when this module is imported) bf16
@@ -38,6 +43,17 @@ def dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
     """(UPCAST, input precision): fp32 dots in IEEE fp32 (tf32 would lose greedy parity)."""
     upcast = INTERPRETED and dtype == torch.bfloat16
     return upcast, "ieee" if dtype == torch.float32 else None
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap_log2): the kernels' scores, in log2 units (they use exp2), are
+    `x = q.k * qk_scale` without a soft-cap; with one (`SOFTCAP`) they are
+    `softcap_log2 * (2 / (1 + exp2(-x)) - 1)`, i.e. cap * tanh(q.k * scale / cap) * log2(e)
+    as tanh(y) = 2 / (1 + exp(-2y)) - 1 (one exp2 per score, no overflow: exp2 -> inf
+    gives -cap)."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return 2.0 * scale * LOG2E / softcap, softcap * LOG2E
 
 
 # --- KV-cache write --------------------------------------------------------------------------
@@ -113,7 +129,8 @@ def _decode_kernel(
     out_ptr,  # (D, heads, head_dim), used without SPLIT
     part_out_ptr,  # (D, heads, splits, BLOCK_D) fp32, normalized partial outputs
     part_lse_ptr,  # (D, heads, splits) fp32, log2-sum-exp2 of each split's scores
-    scale_log2,  # softmax scale * log2(e)
+    qk_scale,  # q.k times this (`score_scales`)
+    softcap_log2,  # soft-cap * log2(e); used when SOFTCAP
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -129,6 +146,7 @@ def _decode_kernel(
     window,  # sliding window (keys in [ctx - window, ctx)); used when USE_WINDOW
     SPLIT: tl.constexpr,  # the context is split over the grid's third axis
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -178,7 +196,9 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+        if SOFTCAP:
+            s = softcap_log2 * (2.0 / (1.0 + tl.exp2(-s)) - 1.0)
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -243,10 +263,12 @@ def paged_decode(
     num_splits: int,
     window: int | None = None,
     cfg: KernelConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`out[r]` = attention of `q[r]` (D, heads, head_dim) over the first `context_lens[r]`
-    slots of block table row `r`. `num_splits` (a power of two) is fixed by the caller, so a
-    CUDA graph can capture the launch."""
+    slots of block table row `r` (the last `window` of them with a window; scores soft-capped
+    with a `softcap`). `num_splits` (a power of two) is fixed by the caller, so a CUDA graph
+    can capture the launch."""
     cfg = cfg or KernelConfig()
     d, heads, head_dim = q.shape
     kv_heads = cache.shape[2]
@@ -271,7 +293,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
-        scale * LOG2E,
+        *score_scales(scale, softcap),
         q.stride(0),
         q.stride(1),
         *cache.stride()[:4],
@@ -284,6 +306,7 @@ def paged_decode(
         window or 0,
         SPLIT=num_splits > 1,
         USE_WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
         BLOCK_G=pow2(group),
         BLOCK_N=launch.block_n,
         BLOCK_D=block_d,

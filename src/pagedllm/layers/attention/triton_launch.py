@@ -47,27 +47,40 @@ class Launch:
 
 def decode_launch(cfg: KernelConfig, dtype: torch.dtype, head_dim: int, group: int) -> Launch:
     """Chosen from the kernel compiled for sm_80 / 89 / 90 / 100 (scripts/kernel_report.py;
-    docs/gpu.md): no register spills on any of them, shared memory within sm_89's 99 KiB. In
-    16 bits, 4 warps and 128-key tiles up to head dim 64 (64-key past it) were the fastest on
-    an H200 (benchmarks/gpu_decode_sweep.py: 25 % under 8 warps and 64-key tiles); `group`
-    query heads per KV head."""
+    docs/gpu.md), every variant (window, soft-cap, split): no register spills on any of them,
+    shared memory within sm_89's 99 KiB. In 16 bits, 4 warps and 128-key tiles up to head dim
+    64 (64-key to 128) were the fastest on an H200 (benchmarks/gpu_decode_sweep.py: 25 %
+    under 8 warps and 64-key tiles); head dim 256 (Gemma) halves the key tile again, so that
+    the keys and values of a stage stay at 32 KiB. `group` query heads per KV head."""
+    width = pow2(head_dim)
     if dtype == torch.float32:  # (16 x 64) fp32 tiles spill at 4 warps
-        launch = Launch(0, 32, num_warps=8, num_stages=2)
-    elif pow2(head_dim) <= 64:
+        if width <= 128:
+            launch = Launch(0, 32, num_warps=8, num_stages=2)
+        else:  # (2 stages spill 8 B on sm_100 when split)
+            launch = Launch(0, 16, num_warps=8, num_stages=3)
+    elif width <= 64:
         launch = Launch(0, 128, num_warps=4, num_stages=2)
-    else:  # (at 4 warps the unsplit MHA tile spills 4 B on sm_90)
+    elif width <= 128:  # (at 4 warps the unsplit MHA tile spills 4 B on sm_90)
         launch = Launch(0, 64, num_warps=4 if group > 1 else 8, num_stages=2)
+    else:
+        launch = Launch(0, 32, num_warps=4, num_stages=2)
     return _override(launch, cfg, cfg.decode_block_n)
 
 
 def prefill_launch(cfg: KernelConfig, dtype: torch.dtype, head_dim: int) -> Launch:
     """As `decode_launch`. At head dim > 64 (80 / 96 / 128 are padded to 128) the 64-key tile
     spills, and in fp32 so does the 64-row tile (a host tile of 64 rows then runs as two
-    programs of 32)."""
-    wide = pow2(head_dim) > 64
-    if dtype == torch.float32:  # (3 stages: 2 spill with a window on sm_80)
-        launch = Launch(32 if wide else 64, 32, num_warps=8, num_stages=3 if wide else 2)
-    elif wide:
+    programs of 32); at head dim 256 in fp32 32 x 32 tiles spill KiBs on sm_89 / 90 / 100
+    (32 x 16 do not)."""
+    width = pow2(head_dim)
+    if dtype == torch.float32:
+        if width <= 64:
+            launch = Launch(64, 32, num_warps=8, num_stages=2)
+        elif width <= 128:  # (2 stages spill with a window on sm_80)
+            launch = Launch(32, 32, num_warps=8, num_stages=3)
+        else:  # (2 stages spill 20 B with a window on sm_80)
+            launch = Launch(32, 16, num_warps=8, num_stages=3)
+    elif width > 64:
         launch = Launch(64, 32, num_warps=8, num_stages=2)
     else:
         launch = Launch(64, 64, num_warps=4, num_stages=2)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.attention.triton_kernels import LOG2E, dot_options
+from pagedllm.layers.attention.triton_kernels import dot_options, score_scales
 from pagedllm.layers.attention.triton_launch import KernelConfig, pow2, prefill_launch
 
 # --- prefill / chunked prefill ---------------------------------------------------------------
@@ -23,7 +23,8 @@ def _prefill_kernel(
     tile_request_ptr,  # (T,) int32: the request of each query tile
     tile_row_ptr,  # (T,) int32: the tile's first query row, within its request
     out_ptr,
-    scale_log2,
+    qk_scale,  # q.k times this (triton_kernels.score_scales)
+    softcap_log2,  # soft-cap * log2(e); used when SOFTCAP
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -38,6 +39,7 @@ def _prefill_kernel(
     group,
     window,  # query at position p sees keys (p - window, p]; used when USE_WINDOW
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -89,7 +91,9 @@ def _prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:  # before the mask, as the reference
+            s = softcap_log2 * (2.0 / (1.0 + tl.exp2(-s)) - 1.0)
         visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -120,10 +124,12 @@ def paged_prefill(
     scale: float,
     window: int | None = None,
     cfg: KernelConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every tile's query rows (see `prefill_tiles`, built with
     `cfg.prefill_block_m`) over its request's first `context_lens[r]` cached slots, the last
-    `q_len` of which are the chunk's own tokens."""
+    `q_len` of which are the chunk's own tokens (with a `window`, the last `window` up to each
+    query; scores soft-capped with a `softcap`)."""
     cfg = cfg or KernelConfig()
     _, heads, head_dim = q.shape
     group = heads // cache.shape[2]
@@ -142,7 +148,7 @@ def paged_prefill(
         tile_request,
         tile_row,
         out,
-        scale * LOG2E,
+        *score_scales(scale, softcap),
         q.stride(0),
         q.stride(1),
         *cache.stride()[:4],
@@ -154,6 +160,7 @@ def paged_prefill(
         group,
         window or 0,
         USE_WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_D=pow2(head_dim),
