@@ -1,18 +1,25 @@
-"""Load a Llama-family GGUF file's weights, keeping quantized tensors as they are.
+"""Load a GGUF file's weights as llama.cpp's converter writes them, for every family we serve,
+keeping quantized tensors as they are.
 
 Q8_0 tensors become int8 weights in groups of 32, Q4_1 and Q4_0 int4 weights (layers.quant's
 formats are those blocks, unpacked into separate arrays, so nothing is rounded); F32 / F16 /
 BF16 tensors are loaded in the engine's dtype. Other quantization types (K-quants, ...) are
 refused with the list of what is supported. The model's shape still comes from config.json.
 
-NOTE: llama.cpp's converter stores q and k rows permuted to the interleaved rotary layout,
-which is the layout our model uses (model/llama.py): they are taken as they are.
+The file's `general.architecture` says how its converter wrote it (`ARCHS`; any other is
+refused): for the archs llama.cpp rotates by consecutive pairs (its NORM rope: llama, granite,
+smollm3) the converter permuted the q and k rows to the interleaved layout our model uses
+(model/decoder.py), and they are taken as they are; for the others (its NEOX rope) they stay
+half-split as in HF's checkpoint and are permuted here, with the q/k biases and q/k norm
+weights, quantized ones too (blocks run along a row: permuting rows moves whole blocks).
+Gemma's norm weights arrive as 1 + w, which is how we store them too.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,33 @@ import torch
 
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.layers.quant import QuantizedWeight
+from pagedllm.model.layout import shard_sizes
+from pagedllm.model.rope import interleave_rows
+
+Tensor = torch.Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How llama.cpp's converter writes one `general.architecture`."""
+
+    hf: tuple[str, ...]  # the HF architectures it converts to this one
+    permuted: bool  # q/k rows in interleaved pairs (else half-split, as HF's)
+    unit_offset: bool = False  # norm weights stored as 1 + w
+    fused: bool = False  # q/k/v in one `attn_qkv`, gate and up in one `ffn_up` (Phi-3)
+
+
+ARCHS = {
+    "llama": Arch(("LlamaForCausalLM", "MistralForCausalLM"), permuted=True),
+    "granite": Arch(("GraniteForCausalLM",), permuted=True),
+    "smollm3": Arch(("SmolLM3ForCausalLM",), permuted=True),
+    "qwen2": Arch(("Qwen2ForCausalLM",), permuted=False),
+    "qwen3": Arch(("Qwen3ForCausalLM",), permuted=False),
+    "gemma2": Arch(("Gemma2ForCausalLM",), permuted=False, unit_offset=True),
+    "gemma3": Arch(("Gemma3ForCausalLM",), permuted=False, unit_offset=True),
+    "phi3": Arch(("Phi3ForCausalLM",), permuted=False, fused=True),
+    "olmo2": Arch(("Olmo2ForCausalLM",), permuted=False),
+}
 
 _NAMES = {
     "token_embd.weight": ("embed_tokens.weight", None),
@@ -28,18 +62,29 @@ _NAMES = {
     "output.weight": ("lm_head.weight", None),
 }
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# the same names in every arch; which of them a file holds follows the family's norms and
+# q/k norms (a tensor our model lacks is refused by the loader)
 _LAYER_NAMES = {
     "attn_norm": ("input_layernorm", None),
-    "ffn_norm": ("post_attention_layernorm", None),
+    "post_attention_norm": ("post_attention_layernorm", None),
+    "ffn_norm": ("pre_feedforward_layernorm", None),
+    "post_ffw_norm": ("post_feedforward_layernorm", None),
+    "attn_q_norm": ("self_attn.q_norm", None),
+    "attn_k_norm": ("self_attn.k_norm", None),
     "attn_q": ("self_attn.qkv_proj", 0),
     "attn_k": ("self_attn.qkv_proj", 1),
     "attn_v": ("self_attn.qkv_proj", 2),
+    "attn_qkv": ("self_attn.qkv_proj", None),  # fused: split on load
     "attn_output": ("self_attn.o_proj", None),
     "ffn_gate": ("mlp.gate_up_proj", 0),
-    "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_up": ("mlp.gate_up_proj", 1),  # gate and up fused where the arch is (Phi-3)
     "ffn_down": ("mlp.down_proj", None),
 }
-_SKIPPED = ("rope_freqs.weight",)  # rotary frequencies: computed from config.json
+# rotary frequencies and longrope factors: computed from config.json
+_SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+# (GGUF name, our parameter name and fused shard, the tensor in our layout)
+Loaded = tuple[str, tuple[str, int | None], Tensor]
 
 
 def gguf_file(model_dir: Path) -> Path:
@@ -53,8 +98,60 @@ def gguf_file(model_dir: Path) -> Path:
     return files[0]
 
 
-def target(name: str) -> tuple[str, int | None] | None:
-    """Our parameter name (and fused shard) of a GGUF tensor, None to skip it."""
+def read_model(model_dir: Path, cfg: ModelConfig) -> Iterator[Loaded]:
+    """Every weight of the directory's GGUF file in our layout, one at a time (the file is
+    mapped, not read whole): dense ones as fp32 tensors, quantized ones as QuantizedWeight;
+    fused ones (Phi-3) as their shards. `cfg`: the whole model's (not a tensor-parallel
+    rank's)."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConfigError("quantization 'gguf' needs the gguf package: pip install gguf") from e
+    path = gguf_file(model_dir)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
+    arch = architecture(reader, cfg, path.name)
+    # no `output` tensor (Gemma's converter never writes one): the embeddings project the
+    # output too, as llama.cpp takes them
+    names = {t.name for t in reader.tensors}
+    head_from_embd = not cfg.tie_word_embeddings and "output.weight" not in names
+    for t in reader.tensors:
+        target = _target(t.name, arch)
+        if target is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims inner first
+        tensor = _tensor(gguf, t.tensor_type, np.asarray(t.data), shape, t.name)
+        for ours, shard, part in _unfuse(t.name, target, tensor, cfg):
+            yield t.name, (ours, shard), _to_layout(ours, shard, part, cfg, arch)
+        if head_from_embd and t.name == "token_embd.weight":
+            yield t.name, ("lm_head.weight", None), tensor
+
+
+def architecture(reader: Any, cfg: ModelConfig, file: str) -> Arch:
+    """The file's `general.architecture`, known and the one config.json's converts to."""
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ConfigError(f"GGUF file {file} has no general.architecture")
+    name = bytes(field.parts[field.data[0]]).decode("utf-8")
+    if name not in ARCHS:
+        raise ConfigError(
+            f"GGUF file {file} holds a {name!r} model; loading GGUF supports the "
+            f"architectures {', '.join(ARCHS)}"
+        )
+    if cfg.architecture not in ARCHS[name].hf:
+        expected = [a for a, arch in ARCHS.items() if cfg.architecture in arch.hf]
+        raise ConfigError(
+            f"GGUF file {file} holds a {name!r} model, config.json a {cfg.architecture} "
+            f"(which llama.cpp converts to {' or '.join(map(repr, expected))})"
+        )
+    return ARCHS[name]
+
+
+def _target(name: str, arch: Arch) -> tuple[str, int | None] | None:
+    """Our parameter name and fused shard of a GGUF tensor (shard None for a qkv_proj or
+    gate_up_proj: fused in the file), None to skip it."""
     if name in _SKIPPED:
         return None
     if name in _NAMES:
@@ -62,25 +159,44 @@ def target(name: str) -> tuple[str, int | None] | None:
     m = _LAYER.match(name)
     if m and m.group(2) in _LAYER_NAMES:
         ours, shard = _LAYER_NAMES[m.group(2)]
+        if arch.fused and m.group(2) == "ffn_up":
+            shard = None
         return f"layers.{m.group(1)}.{ours}.{m.group(3)}", shard
     raise ConfigError(f"unexpected tensor {name!r} in the GGUF file")
 
 
-def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Every tensor of the file by its GGUF name, one at a time (the file is mapped, not
-    read whole): dense ones as fp32 tensors (N, K) or (K,), quantized ones as
-    QuantizedWeight."""
-    try:
-        import gguf
-    except ImportError as e:
-        raise ConfigError("quantization 'gguf' needs the gguf package: pip install gguf") from e
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims inner first
-        yield t.name, _tensor(gguf, t.tensor_type, np.asarray(t.data), shape, t.name)
+def _unfuse(
+    name: str, target: tuple[str, int | None], tensor: Tensor, cfg: ModelConfig
+) -> Iterator[tuple[str, int | None, Tensor]]:
+    """(our name, shard, tensor): a fused q/k/v or gate/up tensor as its shards."""
+    ours, shard = target
+    sizes = shard_sizes(cfg).get(ours.split(".")[-2])
+    if sizes is None or shard is not None:
+        yield ours, shard, tensor
+        return
+    if tensor.shape[0] != sum(sizes):
+        raise ConfigError(
+            f"GGUF tensor {name!r} has {tensor.shape[0]} rows, config.json gives {sum(sizes)}"
+        )
+    start = 0
+    for i, size in enumerate(sizes):
+        yield ours, i, tensor.narrow(0, start, size)
+        start += size
+
+
+def _to_layout(ours: str, shard: int | None, t: Tensor, cfg: ModelConfig, arch: Arch) -> Tensor:
+    """q / k rows (weights, biases and q/k norm weights) permuted to the interleaved rotary
+    order where the file holds them half-split."""
+    module = ours.split(".")[-2]
+    rotated = (module == "qkv_proj" and shard in (0, 1)) or module in ("q_norm", "k_norm")
+    rows, hd = t.shape[0], cfg.head_dim
+    if arch.permuted or not rotated or rows % hd:  # (a wrong shape is reported by the loader)
+        return t
+    index = interleave_rows(torch.arange(rows), rows // hd, hd, cfg.rotary_dim)
+    if isinstance(t, torch.Tensor):
+        return t[index]
+    mins = None if t.mins is None else t.mins[index]
+    return QuantizedWeight(t.bits, t.qweight[index], t.scales[index], mins)
 
 
 def _tensor(gguf: Any, qtype: Any, data: np.ndarray, shape: tuple[int, ...], name: str) -> Any:
@@ -137,11 +253,3 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         torch.cat([p.scales for p in parts]),
         mins,
     )
-
-
-def check_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> None:
-    if name == "embed_tokens.weight" and shape != (cfg.vocab_size, cfg.hidden_size):
-        raise ConfigError(
-            f"the GGUF embeddings are {shape}, config.json says "
-            f"({cfg.vocab_size}, {cfg.hidden_size})"
-        )
