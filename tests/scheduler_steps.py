@@ -2,7 +2,8 @@
 `RunnerOutput`s, and `step()`, which checks every step: the token budget and sequence cap hold,
 each scheduled chunk is the request's own tokens at its positions, its blocks cover them,
 `sample` is set exactly on a chunk that reaches the last known token, and the KV pool stays
-consistent."""
+consistent; with a sliding window, that a request holds every block its chunk reads and no
+block before them."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def create_scheduler(
     max_model_len: int = 64,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -34,7 +36,10 @@ def create_scheduler(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
         CacheConfig(
-            block_size=BS, num_kv_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
+            block_size=BS,
+            num_kv_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=sliding_window,
         ),
     )
 
@@ -94,6 +99,7 @@ def step(
         assert s.token_ids == request.all_token_ids[s.start_pos : s.start_pos + s.num_tokens]
         assert len(s.block_ids) * BS >= s.start_pos + s.num_tokens
         assert s.block_ids == sched.kv.block_ids(s.request_id)
+        check_window(sched, s.request_id, s.start_pos)
         assert s.sample == (s.start_pos + s.num_tokens == request.num_tokens)
         if s.sample:
             sampled[s.request_id] = sampler(request)
@@ -101,6 +107,23 @@ def step(
     changed = sched.update_from_output(out, RunnerOutput(sampled))
     sched.check_integrity()
     return out, changed
+
+
+def check_window(sched: Scheduler, request_id: str, start_pos: int) -> None:
+    """The request dropped exactly the blocks before the window of its chunk's first query
+    (at `start_pos`, which reads keys (start_pos - window, start_pos]); it holds the rest."""
+    kv, window = sched.kv, sched.kv.sliding_window
+    num_dropped = kv.num_dropped(request_id)
+    if window is None:
+        assert num_dropped == 0
+        return
+    assert num_dropped * BS <= max(0, start_pos - window + 1)  # nothing read is freed
+    assert num_dropped == max(0, start_pos - window + 1) // BS  # everything else is
+    assert len(kv.req_blocks[request_id]) + num_dropped == len(kv.block_ids(request_id))
+    # never more than what admission counts on (Scheduler.check_fits)
+    end = len(kv.block_ids(request_id)) * BS
+    budget = sched.config.max_num_batched_tokens
+    assert len(kv.req_blocks[request_id]) <= kv.max_blocks_held(end, budget)
 
 
 def run(sched: Scheduler, max_steps: int = 500, **kw) -> list[SchedulerOutput]:

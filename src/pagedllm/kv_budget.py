@@ -57,9 +57,12 @@ def num_kv_blocks(
     kv_cache_memory: int,
     gpu_memory_utilization: float,
     tensor_parallel_size: int = 1,
+    sliding_window: int | None = None,
 ) -> int:
     """Enough blocks for every sequence at full length, capped by the memory budget: on a CUDA
-    device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes."""
+    device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes. With
+    `sliding_window` (every layer's: blocks out of it are freed) a sequence holds at most its
+    window before a chunk of `batched_tokens`, the chunk, and one block of misalignment."""
     world = tensor_parallel_size
     if device.startswith("cuda"):
         # an engine closed in this process leaves its pool cached by torch: count it free
@@ -77,6 +80,8 @@ def num_kv_blocks(
             + (NCCL_RESERVE if world > 1 else 0),
         )
     per_seq = -(-model_len // block_size)
+    if sliding_window is not None:
+        per_seq = min(per_seq, -(-(sliding_window - 1 + batched_tokens) // block_size) + 1)
     kv_heads = max(1, model.num_kv_heads // world)  # a rank's (replicated past the KV heads)
     bytes_per_block = 2 * model.num_layers * block_size * kv_heads * model.head_dim * dtype.itemsize
     return max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))

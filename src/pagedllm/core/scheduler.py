@@ -4,7 +4,9 @@ Each step, running requests are served first (a decode needs one token, an unfin
 its next chunk), then waiting ones are admitted in arrival order while the budget, the
 sequence cap and the KV pool allow. When blocks run out the newest running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-from its prompt *and* the output it already has.
+from its prompt *and* the output it already has. On a model whose every layer has a sliding
+window, a request's blocks that fall out of the window are freed as it goes (kv_cache_manager),
+so admission and preemption count only the blocks it still holds.
 """
 
 from __future__ import annotations
@@ -80,7 +82,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig) -> None:
         assert cache.num_kv_blocks is not None
         self.config = config
-        self.kv = KVCacheManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            cache.num_kv_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.sliding_window,
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -114,12 +121,14 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {max_len} tokens"
             )
-        # the last sampled token is never fed back: its KV is never written
+        # the last sampled token is never fed back: its KV is never written; with a window a
+        # request holds at most the blocks of one chunk and the window before it
         total = min(max_len, num_prompt_tokens + (max_tokens or max_len)) - 1
-        if self.kv.num_blocks_for(total) > self.kv.pool.num_blocks:
+        needed = self.kv.max_blocks_held(total, self.config.max_num_batched_tokens)
+        if needed > self.kv.pool.num_blocks:
             raise ValueError(
-                f"a request of {total + 1} tokens needs {self.kv.num_blocks_for(total)} KV "
-                f"blocks; the pool has {self.kv.pool.num_blocks}"
+                f"a request of {total + 1} tokens needs {needed} KV blocks; the pool has "
+                f"{self.kv.pool.num_blocks}"
             )
 
     def abort(self, request_id: str) -> Request | None:

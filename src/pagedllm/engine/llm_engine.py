@@ -51,6 +51,10 @@ class EngineStats:
     generation_tokens: int = 0
     # (finish reason, requests), sorted
     finished: tuple[tuple[str, int], ...] = ()
+    # block-table entries freed because they fell out of every layer's sliding window, and
+    # the most blocks in use at once (both since the engine started)
+    kv_blocks_freed_by_window: int = 0
+    kv_blocks_peak: int = 0
 
 
 class LLMEngine:
@@ -358,6 +362,8 @@ class LLMEngine:
             prompt_tokens=m.prompt_tokens if m else 0,
             generation_tokens=m.generation_tokens if m else 0,
             finished=tuple(sorted(m.finished.items())) if m else (),
+            kv_blocks_freed_by_window=kv.num_window_freed,
+            kv_blocks_peak=kv.peak_used_blocks,
         )
 
     def check_integrity(self) -> None:
