@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 from torch.utils.cpp_extension import is_ninja_available
 
 from pagedllm.layers.attention import StepInputs, cpu_kernels
+from pagedllm.layers.attention.base import AttnLayer
 from pagedllm.layers.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
 
@@ -25,9 +28,26 @@ pytestmark = [
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
+# soft-capped attention: a scale that makes the scores of random q, k ~4 sigma wide, so that a
+# cap of 3 changes them a lot
+CAPPED = AttnLayer(scale=0.5, softcap=3.0)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
     assert cpu_kernels.load_kernels() is not None, "kernel build failed (see the log)"
+
+
+@contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """The kernels' threads: 1 runs the (request, KV head) passes; more with fewer tasks than
+    twice the threads cut each request's keys into runs (flash-decoding)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def random_tables(
@@ -52,8 +72,10 @@ def plain_attention(
     lens: list[int],
     scale: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Softmax attention in fp32, one request at a time, keys looked up slot by slot."""
+    """Softmax attention in fp32, one request at a time, keys looked up slot by slot; the
+    scaled scores capped as cap * tanh(s / cap) with a soft-cap."""
     block_size, kv_heads = kv_cache.shape[1], kv_cache.shape[3]
     group = q.shape[1] // kv_heads
     slots_kv = kv_cache.flatten(0, 1).float()
@@ -62,8 +84,10 @@ def plain_attention(
         pos = torch.arange(max(0, n - window) if window else 0, n)
         kv = slots_kv[tables[r, pos // block_size] * block_size + pos % block_size]
         k, v = kv[:, 0].repeat_interleave(group, 1), kv[:, 1].repeat_interleave(group, 1)
-        probs = (torch.einsum("hd,thd->ht", q[r].float(), k) * scale).softmax(-1)
-        out[r] = torch.einsum("ht,thd->hd", probs, v)
+        scores = torch.einsum("hd,thd->ht", q[r].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[r] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
     return out
 
 
@@ -75,19 +99,22 @@ def run_kernel(
     dtype: torch.dtype,
     window: int | None = None,
     kv_heads: int = 2,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel output, oracle output) on random inputs; q is a strided view of a qkv buffer."""
+    """(kernel output, oracle output) on random inputs; q is a strided view of a qkv buffer.
+    `scale`: head_dim ** -0.5 by default."""
     gen = torch.Generator().manual_seed(sum(lens) + block_size + head_dim + group)
     tables, num_blocks = random_tables(lens, block_size, gen)
     shape = (num_blocks, block_size, 2, kv_heads, head_dim)
     kv_cache = torch.randn(shape, generator=gen).to(dtype)
     heads = kv_heads * group
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
-    q, scale = qkv[:, :heads], head_dim**-0.5
+    q, scale = qkv[:, :heads], head_dim**-0.5 if scale is None else scale
     out = torch.empty(q.shape, dtype=dtype)
     ctx = torch.tensor(lens, dtype=torch.int64)
-    cpu_kernels.paged_decode_attention(out, q, kv_cache, tables, ctx, scale, window)
-    return out, plain_attention(q, kv_cache, tables, lens, scale, window)
+    cpu_kernels.paged_decode_attention(out, q, kv_cache, tables, ctx, scale, window, softcap)
+    return out, plain_attention(q, kv_cache, tables, lens, scale, window, softcap)
 
 
 @pytest.mark.parametrize("dtype", list(ATOL))
@@ -119,15 +146,29 @@ def test_kernel_sliding_window(window: int, dtype: torch.dtype) -> None:
 def test_kernel_cuts_keys_over_threads_at_batch_one(threads: int, dtype: torch.dtype) -> None:
     # fewer (request, KV head) tasks than twice the threads: each request's keys are cut into
     # runs (one per thread, a tile of keys at least), their softmax sums merged after
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        cases = [([300], None, 64), ([70, 0], None, 128), ([1000], 100, 64), ([33, 97], 40, 80)]
+    cases = [([300], None, 64), ([70, 0], None, 128), ([1000], 100, 64), ([33, 97], 40, 80)]
+    with num_threads(threads):
         for lens, window, head_dim in cases:
             out, expected = run_kernel(lens, 16, head_dim, 3, dtype, window=window, kv_heads=1)
             torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
-    finally:
-        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("window", [None, 5, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_softcap(
+    threads: int, window: int | None, head_dim: int, dtype: torch.dtype
+) -> None:
+    # 1 thread: each pass attends its (request, KV head) tasks; 2 threads and one request of
+    # one KV head: its keys cut into two runs (but for window 5: too few keys to cut)
+    lens, kv_heads = ([1, 8, 37, 70, 150], 2) if threads == 1 else ([300], 1)
+    args = (lens, 16, head_dim, 3, dtype, window, kv_heads)
+    with num_threads(threads):
+        out, expected = run_kernel(*args, softcap=CAPPED.softcap, scale=CAPPED.scale)
+        uncapped, _ = run_kernel(*args, scale=CAPPED.scale)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+    assert (out.float() - uncapped.float()).abs().max() > 10 * ATOL[dtype], "the cap is lost"
 
 
 def test_kernel_other_head_dims() -> None:
@@ -163,6 +204,10 @@ def test_kernel_rejects_bad_inputs() -> None:
         cpu_kernels.paged_decode_attention(out, q, kv_cache, torch.tensor([[0, 4]]), ctx, 1.0)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         cpu_kernels.paged_decode_attention(out, q, kv_cache, torch.tensor([[0]]), ctx, 1.0)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        cpu_kernels.paged_decode_attention(
+            out, q, kv_cache, torch.tensor([[0, 1]]), ctx, 1.0, softcap=-1.0
+        )
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_kernels.paged_decode_attention(
             out, q.bfloat16(), kv_cache, torch.tensor([[0, 1]]), ctx, 1.0
@@ -195,7 +240,6 @@ def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
 def make_step(
     requests: list[tuple[int, int]],
     block_size: int,
-    window: int | None = None,
     num_decodes: int | None = None,
     seed: int = 0,
 ) -> tuple[StepInputs, int]:
@@ -223,16 +267,22 @@ def make_step(
         num_decodes=num_decodes,
         logits_indices=torch.tensor(starts[1:]) - 1,
         block_size=block_size,
-        sliding_window=window,
     )
     return step, num_blocks
 
 
 def compare_backends(
-    requests: list[tuple[int, int]], dtype: torch.dtype, window: int | None, head_dim: int = 64
+    requests: list[tuple[int, int]],
+    dtype: torch.dtype,
+    layer: AttnLayer | None = None,
+    head_dim: int = 64,
+    kv_heads: int = 2,
 ) -> None:
-    block_size, heads, kv_heads = 8, 6, 2
-    step, num_blocks = make_step(requests, block_size, window)
+    """The cpu backend against the reference one, on `layer` (default: head_dim ** -0.5, no
+    window, no soft-cap)."""
+    block_size, heads = 8, 3 * kv_heads
+    layer = layer or AttnLayer(head_dim**-0.5)
+    step, num_blocks = make_step(requests, block_size)
     gen = torch.Generator().manual_seed(1)
     n = len(step.positions)
     cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
@@ -242,7 +292,7 @@ def compare_backends(
     for backend in (TorchAttentionBackend(), CpuAttentionBackend()):
         layer_cache = cache.clone()
         meta = backend.build_metadata(step)
-        outs.append(backend.forward(q, kv, layer_cache, meta, head_dim**-0.5))
+        outs.append(backend.forward(q, kv, layer_cache, meta, layer))
         caches.append(layer_cache)
     assert torch.equal(caches[0], caches[1])
     assert outs[1].shape == (n, heads, head_dim) and outs[1].dtype == dtype
@@ -250,19 +300,36 @@ def compare_backends(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, CAPPED.softcap])
 @pytest.mark.parametrize("window", [None, 6])
-def test_backend_mixed_batch_matches_reference(dtype: torch.dtype, window: int | None) -> None:
+def test_backend_mixed_batch_matches_reference(
+    dtype: torch.dtype, window: int | None, softcap: float | None
+) -> None:
     # 3 decodes (one on its first token), then two prefill chunks (one with a cached prefix)
-    compare_backends([(0, 1), (8, 1), (20, 1), (11, 9), (0, 5)], dtype, window)
+    layer = AttnLayer(CAPPED.scale if softcap else 64**-0.5, window, softcap)
+    compare_backends([(0, 1), (8, 1), (20, 1), (11, 9), (0, 5)], dtype, layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_backend_softcap_decodes_match_reference(
+    threads: int, window: int | None, dtype: torch.dtype
+) -> None:
+    # decodes only, GQA 3:1: 1 thread, three requests (per-head passes); 2 threads, one request
+    # of one KV head with keys enough to be cut over both (the split path)
+    requests, kv_heads = ([(5, 1), (40, 1), (150, 1)], 2) if threads == 1 else ([(299, 1)], 1)
+    with num_threads(threads):
+        compare_backends(requests, dtype, CAPPED._replace(window=window), kv_heads=kv_heads)
 
 
 @pytest.mark.parametrize("requests", [[(3, 1), (16, 1)], [(0, 4)], [(5, 7), (0, 3)]])
 def test_backend_decodes_only_or_prefills_only(requests: list[tuple[int, int]]) -> None:
-    compare_backends(requests, torch.float32, None)
+    compare_backends(requests, torch.float32)
 
 
 def test_backend_falls_back_for_unsupported_head_dim() -> None:
-    compare_backends([(9, 1), (4, 3)], torch.float32, None, head_dim=72)
+    compare_backends([(9, 1), (4, 3)], torch.float32, CAPPED, head_dim=72)
 
 
 def test_disabled_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,7 +338,7 @@ def test_disabled_kernel_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not CpuAttentionBackend().kernel_available
     with pytest.raises(RuntimeError, match="unavailable"):
         run_kernel([3], 4, 64, 1, torch.float32)
-    compare_backends([(9, 1), (4, 3)], torch.float32, None)
+    compare_backends([(9, 1), (4, 3)], torch.float32, CAPPED)
 
 
 def test_decode_step_builds_no_reference_metadata() -> None:
@@ -286,5 +353,5 @@ def test_decode_step_builds_no_reference_metadata() -> None:
     meta = backend.build_metadata(mixed)
     assert backend.decode_batch(meta) is None
     expected = TorchAttentionBackend().build_metadata(mixed)
-    assert torch.equal(meta.ref.decode_mask, expected.decode_mask)
+    assert torch.equal(meta.ref.masks_for(None)[0], expected.masks_for(None)[0])
     assert meta.prefill_ref.num_decodes == 0 and len(meta.prefill_ref.prefills) == 1

@@ -223,7 +223,7 @@ def test_rotary_embedding_matches_transformers(
     the loader's interleaving permutation; with the kernel and with its PyTorch fallback."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from pagedllm.model.rope import interleave_rows, rotary_table
+    from pagedllm.model.rope import interleave_rows
 
     if not kernel:
         monkeypatch.setitem(cpu_kernels._state, "module", None)
@@ -241,7 +241,8 @@ def test_rotary_embedding_matches_transformers(
 
     qkv = interleave(half_split).contiguous().to(dtype)
     v_before = qkv[:, heads + kv_heads :].clone()
-    cpu_kernels.rotary_embedding(qkv[:, : heads + kv_heads], rotary_table(cos, sin)[:, None])
+    rotary = torch.complex(cos, sin)[:, None]  # (n, 1, head_dim / 2), as rope.rotary_table
+    cpu_kernels.rotary_embedding(qkv[:, : heads + kv_heads], rotary)
 
     q, k = half_split[:, :heads, None], half_split[:, heads : heads + kv_heads, None]
     full = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]

@@ -1,10 +1,14 @@
 """The decoder layers of a decode step in one C++ call (csrc/decoder.cpp) against the same
 model run op by op from Python: the same kernels in the same order, so the same bits — tokens
-and log-probs — for every architecture (q/k/v bias, GQA, sliding window) and weight format.
-The op-by-op path is itself held to HF transformers by test_parity and test_quantization."""
+and log-probs — for every architecture (q/k/v bias, GQA, sliding window) and weight format,
+and every feature a dense family turns on (q/k norms, norms after the blocks, GeLU, soft-cap,
+softmax scale, per-layer windows and ropes, NoPE). The op-by-op path is itself held to HF
+transformers by test_parity and test_quantization."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +16,14 @@ import pytest
 import torch
 
 from conftest import random_prompts
+from families import FAMILIES, make_family_checkpoint
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig, RopeConfig
 from pagedllm.layers import quant
-from pagedllm.layers.attention import cpu_kernels
+from pagedllm.layers.attention import StepInputs, cpu_kernels
+from pagedllm.layers.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.model.decoder import CausalLM, ForwardContext
+from pagedllm.model.rope import rotary_table
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.kernel_available(), reason="the CPU extension does not build here"
@@ -41,22 +50,10 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
     return result
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_one_call_equals_op_by_op(
-    arch: str, fmt: str, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the kernels for every row count, whatever this CPU's limits: several decodes in one call
+@pytest.fixture
+def one_call(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The kernels for every row count; the row counts of the decode_layers calls, listed."""
     monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", dict.fromkeys(quant.KERNEL_MAX_ROWS))
-    llm = LLM(
-        str(checkpoints[arch]),
-        max_num_seqs=4,
-        max_model_len=128,
-        enable_prefix_caching=False,  # the second run computes what the first did
-        **FORMATS[fmt],
-    )
-    model = llm.engine.runner.model
-    assert model._kernel_weights, "the one-call path is not set up"
     module = cpu_kernels.kernel_module()
     calls: list[int] = []
     real = module.decode_layers
@@ -66,8 +63,25 @@ def test_one_call_equals_op_by_op(
         return real(x, *args)
 
     monkeypatch.setattr(module, "decode_layers", counted)
-    # mixed lengths: decodes of 1-4 requests, some past mistral's window of 24
-    prompts = random_prompts(4, (3, 40), model.config.vocab_size, seed=list(FORMATS).index(fmt))
+    yield calls
+
+
+def check_one_call(path: Path, fmt: str, calls: list[int], seed: int) -> None:
+    """Greedy tokens and log-probs of the checkpoint at `path`, decodes through decode_layers,
+    then op by op: the same."""
+    llm = LLM(
+        str(path),
+        max_num_seqs=4,
+        max_model_len=128,
+        enable_prefix_caching=False,  # the second run computes what the first did
+        **FORMATS[fmt],
+    )
+    model = llm.engine.runner.model
+    assert model._kernel_weights, "the one-call path is not set up"
+    # mixed lengths: decodes of 1-4 requests, some past the windows (mistral's 24, 12 in
+    # tests/families.py)
+    prompts = random_prompts(4, (3, 40), model.config.vocab_size, seed=seed)
+    calls.clear()
     fused = _generate(llm, prompts)
     assert calls and max(calls) > 1, "no step of several decodes went through decode_layers"
     model._kernel_weights = []
@@ -75,6 +89,28 @@ def test_one_call_equals_op_by_op(
     op_by_op = _generate(llm, prompts)
     assert not calls
     assert fused == op_by_op
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_one_call_equals_op_by_op(
+    arch: str, fmt: str, checkpoints: dict[str, Path], one_call: list[int]
+) -> None:
+    check_one_call(checkpoints[arch], fmt, one_call, seed=list(FORMATS).index(fmt))
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_family_checkpoint(root / name, name) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_one_call_equals_op_by_op(
+    family: str, fmt: str, family_checkpoints: dict[str, Path], one_call: list[int]
+) -> None:
+    check_one_call(family_checkpoints[family], fmt, one_call, seed=0)
 
 
 def test_steps_with_a_prefill_run_op_by_op(checkpoints: dict[str, Path]) -> None:
@@ -92,3 +128,159 @@ def test_steps_with_a_prefill_run_op_by_op(checkpoints: dict[str, Path]) -> None
     runner.backend.decode_batch = spy  # type: ignore[method-assign]
     _generate(llm, [[5, 6, 7]])
     assert seen[0] is False and all(seen[1:]) and len(seen) == 20
+
+
+# ---- each family feature on a tiny model built from a ModelConfig (random weights)
+
+# feature -> (config fields that switch it on, fields that switch it off, LayerWeights fields
+# that switch it off where the config cannot: the model's norm modules stay)
+FEATURES: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]] = {
+    "qk_norm_head": ({"qk_norm": "head"}, {"qk_norm": None}, ()),
+    "qk_norm_proj": ({"qk_norm": "proj"}, {"qk_norm": None}, ()),
+    "sandwich_norms": ({"norms": "sandwich"}, {}, ("post1", "post2")),
+    "post_norms": ({"norms": "post"}, {}, ("post1", "post2")),
+    "gelu_tanh": ({"activation": "gelu_tanh"}, {"activation": "silu"}, ()),
+    "gelu": ({"activation": "gelu"}, {"activation": "silu"}, ()),
+    # a scale that makes the scores a few units wide, so that a cap of 2 bites
+    "softcap": ({"attn_softcap": 2.0, "attn_scale": 1.0}, {"attn_softcap": None}, ()),
+    "softmax_scale": ({"attn_scale": 0.3}, {"attn_scale": None}, ()),
+    "layer_windows": ({"layer_windows": (4, None)}, {"layer_windows": (None, None)}, ()),
+    "local_rope": (
+        {"ropes": (RopeConfig(), RopeConfig(theta=100.0)), "layer_ropes": (0, 1)},
+        {"layer_ropes": (0, 0)},
+        (),
+    ),
+    "nope": ({"layer_ropes": (None, 0)}, {"layer_ropes": (0, 0)}, ()),
+    # all of Gemma 3's at once, and OLMo 2's
+    "gemma3_like": (
+        {
+            "qk_norm": "head",
+            "norms": "sandwich",
+            "activation": "gelu_tanh",
+            "attn_softcap": 2.0,
+            "attn_scale": 1.0,
+            "layer_windows": (4, None),
+            "ropes": (RopeConfig(), RopeConfig(theta=100.0)),
+            "layer_ropes": (1, 0),
+        },
+        {"attn_softcap": None, "layer_windows": (None, None)},
+        (),
+    ),
+    "olmo2_like": ({"qk_norm": "proj", "norms": "post"}, {"qk_norm": None}, ()),
+}
+
+
+def tiny_config(**features: Any) -> ModelConfig:
+    """A two-layer Llama, with `features` (ModelConfig fields) on."""
+    base: dict[str, Any] = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        ropes=(RopeConfig(),),
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        layer_windows=(None, None),
+        layer_ropes=(0, 0),
+        checkpoint_dtype=None,
+    )
+    return ModelConfig(**{**base, **features})
+
+
+def tiny_model(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """Random weights: the linears keep nn.Linear's init (scores of a few units), norms near 1."""
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape))
+            elif "embed" in name:
+                param.normal_()
+    model.to(dtype)
+    model.finalize_weights()
+    return model
+
+
+def switch_off(model: CausalLM, fields: dict[str, Any], weights: tuple[str, ...]) -> None:
+    model.config = dataclasses.replace(model.config, **fields)
+    model.finalize_weights()
+    if weights:
+        model._weights = [w._replace(**dict.fromkeys(weights)) for w in model._weights]
+        model._kernel_weights, model._kernel_rows = model._decode_kernel_weights()
+
+
+@torch.inference_mode()
+def decode_steps(model: CausalLM, steps: int = 3) -> list[torch.Tensor]:
+    """The logits of `steps` decode steps of three requests over random cached contexts (3, 9
+    and 17 tokens: some past the window of 4, several blocks of 4), then the KV caches."""
+    cfg, dtype = model.config, model.norm.weight.dtype
+    gen = torch.Generator().manual_seed(0)
+    lens, block_size, per_request = [3, 9, 17], 4, 6
+    tables = torch.randperm(3 * per_request + 1, generator=gen)[: 3 * per_request].view(3, -1)
+    backend = CpuAttentionBackend()
+    shape = backend.kv_cache_shape(3 * per_request + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(cfg.num_layers)]
+    rotary = [
+        rotary_table(rope, cfg.head_dim, cfg.max_position_embeddings, 64) for rope in cfg.ropes
+    ]
+    logits = []
+    for s in range(steps):
+        context_lens = [n + s + 1 for n in lens]  # the new token included
+        positions = torch.tensor(context_lens) - 1
+        slots = tables[torch.arange(3), positions // block_size] * block_size
+        step = StepInputs(
+            input_ids=torch.randint(2, cfg.vocab_size, (3,), generator=gen),
+            positions=positions,
+            slot_mapping=slots + positions % block_size,
+            query_start_loc=[0, 1, 2, 3],
+            context_lens=context_lens,
+            block_tables=tables,
+            num_decodes=3,
+            logits_indices=torch.arange(3),
+            block_size=block_size,
+        )
+        rotations = tuple(table[positions].unsqueeze(1) for table in rotary)
+        ctx = ForwardContext(rotations, caches, backend, backend.build_metadata(step))
+        logits.append(model(step.input_ids, ctx, step.logits_indices))
+    return logits + caches
+
+
+def fused_and_op_by_op(model: CausalLM, calls: list[int]) -> tuple[list[torch.Tensor], ...]:
+    calls.clear()
+    fused = decode_steps(model)
+    assert calls == [3, 3, 3], "the steps did not go through decode_layers"
+    kernel_weights, model._kernel_weights = model._kernel_weights, []
+    op_by_op = decode_steps(model)
+    model._kernel_weights = kernel_weights
+    assert calls == [3, 3, 3]
+    return fused, op_by_op
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_feature_one_call_equals_op_by_op(
+    feature: str, dtype: torch.dtype, one_call: list[int]
+) -> None:
+    on, off, weights_off = FEATURES[feature]
+    model = tiny_model(tiny_config(**on), dtype)
+    fused, op_by_op = fused_and_op_by_op(model, one_call)
+    assert same_bits(fused, op_by_op)
+    # the feature matters: without it the same weights give other logits (a kernel that
+    # ignored it would not match the op-by-op path)
+    switch_off(model, off, weights_off)
+    fused_off, op_by_op_off = fused_and_op_by_op(model, one_call)
+    assert same_bits(fused_off, op_by_op_off)
+    assert not same_bits(fused_off[:3], fused[:3]), f"{feature} changes nothing"

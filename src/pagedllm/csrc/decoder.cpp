@@ -1,79 +1,189 @@
 // ---- The decoder layers of a decode step in one call: for D tokens, each the next token of its
-// request, every layer's norm, q/k/v, rotary, KV write, paged attention, o, norm, gate/up,
-// SiLU-and-mul and down, and the final norm, without going back to Python between ops (at
-// batch 1 the ~10 ops of 30 layers cost as much in Python as the attention itself). The same
-// kernels as the op-by-op path, in the same order: the results are the same bits.
+// request, every layer's norms, q/k/v, q/k norms, rotary, KV write, paged attention, o,
+// gate/up, activation-and-mul and down, and the final norm, without going back to Python
+// between ops (at batch 1 the ~10 ops of 30 layers cost as much in Python as the attention
+// itself). Every dense family (model/decoder.py): the same kernels (or ATen ops) as its
+// op-by-op path, in the same order, so the results are the same bits.
 
 namespace {
 
-// Tensors per layer in `weights`: the two norms, then (w0, w1, w2, bias) for each of q/k/v,
-// o, gate/up and down: (w, -, -) dense, (q, scales, -) int8, (q, scales, mins) int4; an empty
-// tensor stands for what is absent.
-constexpr int64_t kPerLayer = 2 + 4 * 4;
-
-struct Linear {
-  const torch::Tensor* t;  // its 4 tensors
-  std::optional<torch::Tensor> bias() const {
-    return t[3].numel() ? std::optional<torch::Tensor>(t[3]) : std::nullopt;
-  }
+// Tensors per layer in `weights`: the norms before attention, after it, before the MLP, after
+// it, the q and k norms (an empty tensor where the family has none), then (w0, w1, w2, bias)
+// for each of q/k/v, o, gate/up and down: (w, -, -) dense, (q, scales, -) int8,
+// (q, scales, mins) int4, an empty tensor for what is absent.
+enum Slot : int64_t {
+  kLn1,
+  kPost1,
+  kLn2,
+  kPost2,
+  kQNorm,
+  kKNorm,
+  kQkv,
+  kO = kQkv + 4,
+  kGateUp = kO + 4,
+  kDown = kGateUp + 4,
+  kPerLayer = kDown + 4,
 };
 
-torch::Tensor apply(Linear w, const torch::Tensor& x) {
+// An optional weight of `weights`: given (a defined, non-empty tensor).
+bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+[[noreturn]] void refused(const char* op) {
+  TORCH_CHECK(false, "decode_layers: ", op, " refused");
+  __builtin_unreachable();
+}
+
+torch::Tensor apply(const torch::Tensor* w, const torch::Tensor& x) {
+  const auto bias = present(w[3]) ? std::optional<torch::Tensor>(w[3]) : std::nullopt;
   std::optional<torch::Tensor> out;
-  switch (w.t[0].scalar_type()) {
-    case torch::kChar: out = linear_int8(x, w.t[0], w.t[1], w.bias()); break;
-    case torch::kByte: out = linear_int4(x, w.t[0], w.t[1], w.t[2], w.bias()); break;
-    default: out = linear_dense(x, w.t[0], w.bias());
+  switch (w[0].scalar_type()) {
+    case torch::kChar: out = linear_int8(x, w[0], w[1], bias); break;
+    case torch::kByte: out = linear_int4(x, w[0], w[1], w[2], bias); break;
+    default: out = linear_dense(x, w[0], bias);
   }
-  TORCH_CHECK(out.has_value(), "decode_layers: a linear layer the kernels do not take");
+  if (!out) refused("a linear layer");
   return *out;
+}
+
+torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto out = rms_norm(x, weight, eps);
+  if (!out) refused("rms_norm");
+  return *out;
+}
+
+// `_join` of model/decoder.py: the pending block output x (normed by `post` where the family
+// norms after a block) joins the stream `residual` (undefined before the first block: x
+// starts it); returns the next block's input, the stream normed by `pre` (the stream itself
+// where `pre` is empty). May overwrite x and residual in place, as the op-by-op path does.
+torch::Tensor join(torch::Tensor x, torch::Tensor& residual, const torch::Tensor& post,
+                   const torch::Tensor& pre, double eps) {
+  if (present(post)) x = norm(x, post, eps);
+  if (!present(pre)) {
+    residual = residual.defined() ? residual + x : x;  // at::add, as Python's `+`
+    return residual;
+  }
+  if (!residual.defined()) {
+    residual = x;
+    return norm(x, pre, eps);
+  }
+  if (!fused_add_rms_norm(x, residual, pre, eps)) refused("fused_add_rms_norm");
+  return x;
+}
+
+// RMSNorm in place of `heads` heads of qkv (D, >= first + heads, head_dim), from head `first`,
+// with rows contiguous: over each head (weight of head_dim) or over all of them (weight of
+// heads * head_dim), `_qk_norm` of model/decoder.py. normalize_row, as rms_norm runs it, on
+// the same values: the same bits without its copies.
+void norm_heads(torch::Tensor& qkv, int64_t first, int64_t heads, const torch::Tensor& weight,
+                double eps) {
+  const int64_t d = qkv.size(0), head_dim = qkv.size(2), cols = weight.numel();
+  TORCH_CHECK(cols == head_dim || cols == heads * head_dim,
+              "decode_layers: a q/k norm weight of head_dim or heads * head_dim");
+  TORCH_CHECK(weight.scalar_type() == qkv.scalar_type() && weight.is_contiguous(),
+              "decode_layers: a q/k norm weight contiguous, of the model's dtype");
+  const int64_t per_token = heads * head_dim / cols, stride = qkv.stride(0);
+  const auto feps = static_cast<float>(eps);
+  dispatch_float_dtype(qkv, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* base = qkv.data_ptr<scalar_t>() + first * head_dim;
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, d, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t j = 0; j < per_token; ++j) {
+          scalar_t* row = base + t * stride + j * cols;
+          normalize_row(row, w, row, cols, feps);
+        }
+    });
+  });
+}
+
+enum class Activation { kSilu, kGeluTanh, kGelu };
+
+Activation parse_activation(const std::string& name) {
+  if (name == "silu") return Activation::kSilu;
+  if (name == "gelu_tanh") return Activation::kGeluTanh;
+  TORCH_CHECK(name == "gelu", "decode_layers: activation silu, gelu_tanh or gelu, not ", name);
+  return Activation::kGelu;
+}
+
+// `_act_and_mul` of model/decoder.py: act(gate) * up, gate and up the halves of gate_up.
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, Activation act) {
+  if (act == Activation::kSilu) {
+    auto out = silu_and_mul(gate_up);
+    if (!out) refused("silu_and_mul");
+    return *out;
+  }
+  const int64_t half = gate_up.size(-1) / 2;
+  const auto gate = gate_up.narrow(-1, 0, half), up = gate_up.narrow(-1, half, half);
+  return at::gelu(gate, act == Activation::kGeluTanh ? "tanh" : "none") * up;
+}
+
+// What every layer of the step shares.
+struct Step {
+  const std::vector<torch::Tensor>& rotary;  // (D, head_dim / 2, 2) fp32 per rope
+  const torch::Tensor &slot_mapping, &block_tables, &context_lens;
+  double eps, scale, softcap;
+  int64_t heads, kv_heads;
+};
+
+// `_attention` of model/decoder.py on x (D, hidden) with the CPU backend's decode: the
+// attention output before o (D, heads * head_dim).
+torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tensor& x,
+                        const torch::Tensor& cache, std::optional<int64_t> rope, int64_t window) {
+  const int64_t d = x.size(0), heads = s.heads, kv_heads = s.kv_heads;
+  // (D, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
+  torch::Tensor qkv = apply(w + kQkv, x).view({d, heads + 2 * kv_heads, -1});
+  const int64_t head_dim = qkv.size(2);
+  if (present(w[kQNorm]) && present(w[kKNorm])) {
+    norm_heads(qkv, 0, heads, w[kQNorm], s.eps);
+    norm_heads(qkv, heads, kv_heads, w[kKNorm], s.eps);
+  }
+  if (rope && !rotary_embedding(qkv, s.rotary.at(*rope), heads + kv_heads))
+    refused("rotary_embedding");
+  const torch::Tensor kv = qkv.narrow(1, heads, 2 * kv_heads).view({d, 2, kv_heads, head_dim});
+  if (!write_kv(kv, cache, s.slot_mapping)) refused("write_kv");
+  torch::Tensor out = torch::empty({d, heads, head_dim}, qkv.options());
+  paged_decode_attention(out, qkv.narrow(1, 0, heads), cache, s.block_tables, s.context_lens,
+                         s.scale, window, s.softcap);
+  return out.view({d, heads * head_dim});
 }
 
 }  // namespace
 
-// x: (D, hidden) the tokens' embeddings (consumed); cos_sin: (D, head_dim / 2, 2) fp32;
-// slot_mapping (D,), block_tables (>= D, max_blocks), context_lens (D,): int64, as for
-// write_kv and paged_decode_attention. Returns the last layer's output after the final norm.
+// x: (D, hidden) the tokens' embeddings (consumed); weights: kPerLayer tensors per layer;
+// rotary: per rope of the model, (D, head_dim / 2, 2) fp32, each token's rotation; per layer,
+// its sliding window (None: global) and the index of its rope in `rotary` (None: NoPE);
+// slot_mapping (D,), block_tables (>= D, max_blocks), context_lens (D,): int64, as for write_kv
+// and paged_decode_attention; softcap 0: none. Returns the last layer's output after the final
+// norm.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
-                            std::vector<torch::Tensor> kv_caches, torch::Tensor cos_sin,
-                            torch::Tensor slot_mapping, torch::Tensor block_tables,
-                            torch::Tensor context_lens, torch::Tensor final_norm, double eps,
-                            double scale, int64_t heads, int64_t kv_heads,
-                            int64_t sliding_window) {
+                            std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> rotary,
+                            std::vector<std::optional<int64_t>> windows,
+                            std::vector<std::optional<int64_t>> ropes, torch::Tensor slot_mapping,
+                            torch::Tensor block_tables, torch::Tensor context_lens,
+                            torch::Tensor final_norm, double eps, double scale, double softcap,
+                            int64_t heads, int64_t kv_heads, std::string activation) {
   ReleaseGil no_gil;  // the whole step: other Python threads run meanwhile
-  const int64_t layers = static_cast<int64_t>(kv_caches.size()), d = x.size(0);
+  const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
-              "decode_layers: ", kPerLayer, " weight tensors per layer");
+              "decode_layers: ", static_cast<int64_t>(kPerLayer), " weight tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers &&
+                  static_cast<int64_t>(ropes.size()) == layers,
+              "decode_layers: a window and a rope per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x (D, hidden), contiguous");
-  const auto fail = [](const char* op) { TORCH_CHECK(false, "decode_layers: ", op, " refused"); };
+  const Activation act = parse_activation(activation);
+  const Step step{rotary, slot_mapping, block_tables, context_lens, eps, scale, softcap,
+                  heads, kv_heads};
+  const torch::Tensor none;
   torch::Tensor residual;
+  const torch::Tensor* post = &none;  // the norm the pending output takes before it joins
   for (int64_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kPerLayer;
-    const torch::Tensor& cache = kv_caches[i];
-    torch::Tensor h;
-    if (i == 0) {
-      auto normed = rms_norm(x, w[0], eps);
-      if (!normed) fail("rms_norm");
-      h = *normed, residual = x;
-    } else {
-      if (!fused_add_rms_norm(x, residual, w[0], eps)) fail("fused_add_rms_norm");
-      h = x;
-    }
-    // (D, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
-    const torch::Tensor qkv = apply(Linear{w + 2}, h).view({d, heads + 2 * kv_heads, -1});
-    const int64_t head_dim = qkv.size(2);
-    if (!rotary_embedding(qkv, cos_sin, heads + kv_heads)) fail("rotary_embedding");
-    const torch::Tensor kv = qkv.narrow(1, heads, 2 * kv_heads).view({d, 2, kv_heads, head_dim});
-    if (!write_kv(kv, cache, slot_mapping)) fail("write_kv");
-    torch::Tensor attn = torch::empty({d, heads, head_dim}, qkv.options());
-    paged_decode_attention(attn, qkv.narrow(1, 0, heads), cache, block_tables, context_lens,
-                           scale, sliding_window);
-    x = apply(Linear{w + 6}, attn.view({d, heads * head_dim}));
-    if (!fused_add_rms_norm(x, residual, w[1], eps)) fail("fused_add_rms_norm");
-    auto act = silu_and_mul(apply(Linear{w + 10}, x));
-    if (!act) fail("silu_and_mul");
-    x = apply(Linear{w + 14}, *act);
+    x = join(x, residual, *post, w[kLn1], eps);
+    x = apply(w + kO, attention(step, w, x, kv_caches[i], ropes[i], windows[i].value_or(0)));
+    x = join(x, residual, w[kPost1], w[kLn2], eps);
+    x = apply(w + kDown, act_and_mul(apply(w + kGateUp, x), act));
+    post = &w[kPost2];
   }
-  if (!fused_add_rms_norm(x, residual, final_norm, eps)) fail("fused_add_rms_norm");
-  return x;
+  return join(x, residual, *post, final_norm, eps);
 }

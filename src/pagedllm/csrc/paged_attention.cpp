@@ -151,21 +151,21 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch:
 template <typename scalar_t>
 Args<scalar_t> make_args(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
                          const torch::Tensor& tables, const torch::Tensor& lens, double scale,
-                         int64_t window) {
+                         int64_t window, double softcap) {
   const int64_t kv_heads = cache.size(3), head_dim = cache.size(4);
   return Args<scalar_t>{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
                         cache.data_ptr<scalar_t>(), cache.size(1), 2 * kv_heads * head_dim,
                         kv_heads, head_dim / kLanes, q.size(1) / kv_heads,
                         tables.data_ptr<int64_t>(), tables.stride(0),
                         lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                        static_cast<float>(scale), window};
+                        static_cast<float>(scale), window, static_cast<float>(softcap)};
 }
 
 template <typename scalar_t>
 void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
             const torch::Tensor& tables, const torch::Tensor& lens, double scale,
-            int64_t window) {
-  const auto args = make_args<scalar_t>(out, q, cache, tables, lens, scale, window);
+            int64_t window, double softcap) {
+  const auto args = make_args<scalar_t>(out, q, cache, tables, lens, scale, window, softcap);
   ReleaseGil no_gil;
   dispatch_head_dim(args, q.size(0));
 }
@@ -174,12 +174,14 @@ void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cac
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                            int64_t sliding_window) {
+                            int64_t sliding_window, double softcap) {
   check_inputs(out, q, kv_cache, block_tables, context_lens);
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap must be >= 0 (0: none)");
   const int64_t window = std::max<int64_t>(sliding_window, 0);
   check_tables(block_tables, context_lens, kv_cache.size(1), kv_cache.size(0), window);
   const auto launch_as = [&](auto dtype_tag) {
-    launch<decltype(dtype_tag)>(out, q, kv_cache, block_tables, context_lens, scale, window);
+    launch<decltype(dtype_tag)>(out, q, kv_cache, block_tables, context_lens, scale, window,
+                                softcap);
   };
   switch (q.scalar_type()) {
     case torch::kFloat: return launch_as(float{});

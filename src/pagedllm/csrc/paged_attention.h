@@ -25,6 +25,7 @@ struct Args {
   scalar_t* out;  // contiguous (D, H, head_dim)
   float scale;
   int64_t window;  // 0: no sliding window
+  float softcap;  // 0: none; else each scaled score s becomes softcap * tanh(s / softcap)
 };
 
 // Request b, KV heads [h0, h1): query heads ("rows") [h0 * group, h1 * group).
@@ -100,6 +101,18 @@ void score_tile(const Args<scalar_t>& a, const Pass& p, const scalar_t* const* s
         s.scores[r * kTile + i] = hsum(dot);
       }
     }
+  }
+}
+
+// The tile's scores of each row soft-capped, cap * tanh(s / cap) (the queries carry the scale
+// already), kLanes at a time: the tail past n is overwritten by softmax_update.
+inline void cap_scores(int64_t rows, int64_t n, float cap, Scratch& s) {
+  const int64_t vecs = (n + kLanes - 1) / kLanes;
+  const float inv = 1.f / cap;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sc = s.scores + r * kTile;
+    for (int64_t v = 0; v < vecs; ++v)
+      store(sc + v * kLanes, tanh_vec(load(sc + v * kLanes) * inv) * cap);
   }
 }
 
@@ -215,6 +228,7 @@ void attend_keys(const Args<scalar_t>& a, const Pass& p, int64_t start, int64_t 
     }
     const bool last = t0 + kTile >= end && next != nullptr;
     score_tile<scalar_t, NV>(a, p, tiles[k], n, nv, s, tiles[k ^ 1], n_ahead, last ? *next : p);
+    if (a.softcap > 0.f) cap_scores(p.rows, n, a.softcap, s);  // one branch per tile
     softmax_update(p.rows, n, s);
     accumulate_values<scalar_t, NV>(a, p, tiles[k], n, nv, s);
   }

@@ -168,6 +168,27 @@ inline fvec exp_vec(fvec x) {
   return p * bit_cast<fvec>((ni + 127) << 23);
 }
 
+// tanh(x) on kLanes lanes: Eigen's rational approximation (error ~4e-7), odd polynomials of
+// x clamped to +-7.9053 (where tanh rounds to +-1 in fp32) over even ones; x itself near 0.
+inline fvec tanh_vec(fvec x) {
+  const fvec c = x > 7.90531110763549805f ? fvec{} + 7.90531110763549805f
+                 : x < -7.90531110763549805f ? fvec{} - 7.90531110763549805f
+                                              : x;
+  const fvec x2 = c * c;
+  fvec p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  fvec q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  const fvec t = c * p / q;
+  const fvec ax = x < 0.f ? -x : x;
+  return ax < 0.0004f ? x : t;
+}
+
 inline float hmax(fvec v) {
   float m = v[0];
   for (int64_t l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;

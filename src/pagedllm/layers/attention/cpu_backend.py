@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 
 from pagedllm.layers.attention import cpu_kernels
-from pagedllm.layers.attention.base import DecodeBatch, StepInputs
+from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, StepInputs
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 
 
@@ -24,7 +24,6 @@ class CpuAttentionMetadata:
     num_decodes: int
     block_tables: torch.Tensor  # (D, max_blocks) int64
     context_lens: torch.Tensor  # (D,) int64
-    sliding_window: int | None
     builder: TorchAttentionBackend = field(repr=False)
 
     # The reference path's metadata, built when first used: a step of decodes that the
@@ -59,7 +58,6 @@ class CpuAttentionBackend:
             num_decodes=d,
             block_tables=step.block_tables[:d],  # int64, rows contiguous (StepInputs)
             context_lens=torch.tensor(step.context_lens[:d], dtype=torch.int64),
-            sliding_window=step.sliding_window,
             builder=self._ref,
         )
 
@@ -67,9 +65,7 @@ class CpuAttentionBackend:
         m = metadata
         if not self.kernel_available or m.num_decodes != len(m.step.slot_mapping):
             return None
-        return DecodeBatch(
-            m.step.slot_mapping, m.block_tables, m.context_lens, m.sliding_window or 0
-        )
+        return DecodeBatch(m.step.slot_mapping, m.block_tables, m.context_lens)
 
     def forward(
         self,
@@ -77,23 +73,30 @@ class CpuAttentionBackend:
         kv: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CpuAttentionMetadata,
-        scale: float,
+        layer: AttnLayer,
     ) -> torch.Tensor:
         m, d = metadata, metadata.num_decodes
         if d == 0 or not (self.kernel_available and cpu_kernels.supports(q, kv_cache)):
-            return self._ref.forward(q, kv, kv_cache, m.ref, scale)
+            return self._ref.forward(q, kv, kv_cache, m.ref, layer)
         if d == q.shape[0]:
             cpu_kernels.write_kv(kv, kv_cache, m.step.slot_mapping)
-            return self._decode(q, kv_cache, m, scale)
+            return self._decode(q, kv_cache, m, layer)
         # writes every new key/value (the decodes' too) before attending the prefill chunks
-        prefill_out = self._ref.forward(q, kv, kv_cache, m.prefill_ref, scale)
-        return torch.cat([self._decode(q[:d], kv_cache, m, scale), prefill_out])
+        prefill_out = self._ref.forward(q, kv, kv_cache, m.prefill_ref, layer)
+        return torch.cat([self._decode(q[:d], kv_cache, m, layer), prefill_out])
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, kv_cache: torch.Tensor, m: CpuAttentionMetadata, scale: float
+        q: torch.Tensor, kv_cache: torch.Tensor, m: CpuAttentionMetadata, layer: AttnLayer
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)
         return cpu_kernels.paged_decode_attention(
-            out, q, kv_cache, m.block_tables, m.context_lens, scale, m.sliding_window
+            out,
+            q,
+            kv_cache,
+            m.block_tables,
+            m.context_lens,
+            layer.scale,
+            layer.window,
+            layer.softcap,
         )

@@ -10,9 +10,10 @@ slots are prefetched while a tile is scored (the cache is paged: the hardware pr
 cannot follow it). With fewer tasks than twice the threads (batch 1: SmolLM2's 3 KV heads
 on 2 threads) each request's keys are cut instead into one run per thread (a tile at least),
 each attended for all heads, and the runs' softmax sums merged (flash-decoding). Online
-softmax in fp32 over tiles of 32 keys; fp32, bf16 and fp16 caches, accumulation in fp32,
-head_dim a multiple of 16 up to 256. `write_kv` stores a step's new keys and values in their
-slots (one copy per token).
+softmax in fp32 over tiles of 32 keys, each tile's scores soft-capped first where the layer
+has a cap (one branch per tile, nothing in the dot products); fp32, bf16 and fp16 caches,
+accumulation in fp32, head_dim a multiple of 16 up to 256. `write_kv` stores a step's new
+keys and values in their slots (one copy per token).
 
 The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
 `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding` in place on q and k): one pass per
@@ -196,6 +197,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged context, written into `out`.
 
@@ -203,7 +205,8 @@ def paged_decode_attention(
     contiguous last dim; kv_cache: contiguous (num_blocks, block_size, 2, kv_heads, head_dim);
     block_tables: int64 (>= D, max_blocks) with contiguous rows; context_lens: int64 (D,), the
     tokens in the cache including the new one. Only keys at positions >= ctx - sliding_window
-    are attended if a window is given. Raises RuntimeError if the kernel is unavailable.
+    are attended if a window is given; with `softcap` the scaled scores are capped as
+    cap * tanh(s / cap). Raises RuntimeError if the kernel is unavailable.
     """
     module = load_kernels()
     if module is None:
@@ -211,7 +214,14 @@ def paged_decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     module.paged_decode_attention(
-        out, q, kv_cache, block_tables, context_lens, float(scale), sliding_window or 0
+        out,
+        q,
+        kv_cache,
+        block_tables,
+        context_lens,
+        float(scale),
+        sliding_window or 0,
+        float(softcap or 0.0),
     )
     return out
 
