@@ -19,9 +19,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from test_cpu_attention import random_tables
+from test_cpu_attention import make_step
 
-from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.layers.attention import create_attention_backend
 from pagedllm.layers.attention.base import AttnLayer
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
 from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_launch
@@ -47,35 +47,6 @@ def small_tiles(tk: ModuleType, **overrides: int) -> object:
     """Tiles of 16 so that the small test shapes cross several tiles."""
     knobs = dict(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
     return KernelConfig(**{**knobs, **overrides})
-
-
-def make_step(
-    requests: list[tuple[int, int]], block_size: int, num_decodes: int | None = None
-) -> tuple[StepInputs, int]:
-    """A step over `requests` = [(cached prefix, new tokens)] with shuffled block tables
-    (decodes first: by default the requests before the first with several new tokens); and
-    the pool size."""
-    lens = [p + n for p, n in requests]
-    tables, num_blocks = random_tables(lens, block_size, torch.Generator().manual_seed(0))
-    positions = torch.cat([torch.arange(p, p + n) for p, n in requests])
-    owner = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(requests)])
-    starts = [0]
-    for _, n in requests:
-        starts.append(starts[-1] + n)
-    if num_decodes is None:
-        num_decodes = next((r for r, (_, n) in enumerate(requests) if n > 1), len(requests))
-    step = StepInputs(
-        input_ids=torch.zeros(len(positions), dtype=torch.int64),
-        positions=positions,
-        slot_mapping=tables[owner, positions // block_size] * block_size + positions % block_size,
-        query_start_loc=starts,
-        context_lens=lens,
-        block_tables=tables,
-        num_decodes=num_decodes,
-        logits_indices=torch.tensor(starts[1:]) - 1,
-        block_size=block_size,
-    )
-    return step, num_blocks
 
 
 def to_head_major(ref_cache: torch.Tensor) -> torch.Tensor:
