@@ -22,6 +22,7 @@ from pagedllm.config import ModelConfig, RopeConfig
 from pagedllm.layers import quant
 from pagedllm.layers.attention import StepInputs, cpu_kernels
 from pagedllm.layers.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.model import decoder_kernel
 from pagedllm.model.decoder import CausalLM, ForwardContext
 from pagedllm.model.rope import rotary_table
 
@@ -214,8 +215,8 @@ def switch_off(model: CausalLM, fields: dict[str, Any], weights: tuple[str, ...]
     model.config = dataclasses.replace(model.config, **fields)
     model.finalize_weights()
     if weights:
-        model._weights = [w._replace(**dict.fromkeys(weights)) for w in model._weights]
-        model._kernel_weights, model._kernel_rows = model._decode_kernel_weights()
+        model.layer_weights = [w._replace(**dict.fromkeys(weights)) for w in model.layer_weights]
+        model._kernel_weights, model._kernel_rows = decoder_kernel.flatten(model)
 
 
 @torch.inference_mode()

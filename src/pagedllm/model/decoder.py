@@ -28,7 +28,8 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
-from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, kernel_rows, linear
+from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
+from pagedllm.model import decoder_kernel
 
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
@@ -146,7 +147,7 @@ class CausalLM(nn.Module):
         # weights held quantized (layers.quant), by parameter name; their dense parameters
         # are left empty
         self.quantized: dict[str, QuantizedWeight] = {}
-        self._weights: list[LayerWeights] = []
+        self.layer_weights: list[LayerWeights] = []
         # (embeddings, lm_head) as the forward pass uses them (a tuple: a Parameter assigned
         # to a module attribute would be registered again)
         self._io: tuple[Weight, Weight] = (self.embed_tokens.weight, self.lm_head.weight)
@@ -167,11 +168,11 @@ class CausalLM(nn.Module):
     def finalize_weights(self) -> None:
         """Snapshot the per-layer weight tuples the forward pass uses (after loading)."""
         w, cfg = self.weight, self.config
-        self._weights = []
+        self.layer_weights = []
         for i, l in enumerate(self.decoder_layers()):  # noqa: E741
             attn = l.self_attn
             qk = cfg.qk_norm is not None
-            self._weights.append(
+            self.layer_weights.append(
                 LayerWeights(
                     l.norm("input_layernorm"),
                     w(f"layers.{i}.self_attn.qkv_proj.weight"),
@@ -193,32 +194,7 @@ class CausalLM(nn.Module):
             )
         embed = w("embed_tokens.weight")
         self._io = (embed, embed if cfg.tie_word_embeddings else w("lm_head.weight"))
-        self._kernel_weights, self._kernel_rows = self._decode_kernel_weights()
-
-    def _decode_kernel_weights(self) -> tuple[list[torch.Tensor], float]:
-        """The layers' weights flattened for `decode_layers` (csrc/decoder.cpp), and the most
-        decodes it runs (the linear kernels' row limit); ([], 0) where it cannot run: tensor
-        parallelism, not the CPU, no extension, attention or weights the kernels refuse."""
-        cfg, norm = self.config, self.norm.weight
-        module = cpu_kernels.kernel_module()
-        if self.tp is not None or norm.device.type != "cpu" or module is None:
-            return [], 0.0
-        if not cpu_kernels.supports_shape(
-            norm.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        ):
-            return [], 0.0
-        flat: list[torch.Tensor] = []
-        for w in self._weights:
-            layer = _kernel_layer(w, norm.dtype)
-            if layer is None:  # the layers run op by op
-                return [], 0.0
-            flat += layer
-        linears = (
-            w
-            for layer in self._weights
-            for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
-        )
-        return flat, min(kernel_rows(w) for w in linears)
+        self._kernel_weights, self._kernel_rows = decoder_kernel.flatten(self)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -252,7 +228,7 @@ class CausalLM(nn.Module):
         eps, tp = self.config.rms_norm_eps, self.tp
         residual: torch.Tensor | None = None
         post: torch.Tensor | None = None  # the norm the pending output takes before it joins
-        for i, w in enumerate(self._weights):
+        for i, w in enumerate(self.layer_weights):
             x, residual = _join(x, residual, post, w.ln1, eps)
             x = self._attention(x, w, ctx, ctx.kv_caches[i])
             x, residual = _join(x, residual, w.post1, w.ln2, eps)
@@ -370,29 +346,3 @@ def _act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     approximate = "tanh" if activation == "gelu_tanh" else "none"
     return F.gelu(gate, approximate=approximate) * up
-
-
-def _kernel_layer(w: LayerWeights, dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """A layer's tensors as csrc/decoder.cpp takes them (its `Slot` order, an empty tensor for
-    what the layer lacks); None where a kernel there would refuse one (the op-by-op path falls
-    back to PyTorch instead): a norm of another dtype, a dense linear whose inputs are not a
-    multiple of 32."""
-    none = torch.empty(0, dtype=dtype)
-    norms = (w.ln1, w.post1, w.ln2, w.post2, w.q_norm, w.k_norm)
-    if any(n is not None and n.dtype != dtype for n in norms):
-        return None
-    flat = [none if n is None else n for n in norms]
-    for weight, bias in (
-        (w.qkv_w, w.qkv_b),
-        (w.o_w, w.o_b),
-        (w.gate_up_w, w.gate_up_b),
-        (w.down_w, w.down_b),
-    ):
-        if isinstance(weight, QuantizedWeight):
-            flat += [weight.qweight, weight.scales, none if weight.mins is None else weight.mins]
-        elif weight.shape[1] % 32 == 0:
-            flat += [weight, none, none]
-        else:
-            return None
-        flat.append(none if bias is None else bias)
-    return flat
