@@ -111,6 +111,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_logprobs_cap(self.max_logprobs)
+        params.check_token_ids(vocab)  # logit_bias / allowed_token_ids: ids of this model
         if params.bad_words or params.bad_words_ids:
             params = dataclasses.replace(params)  # the caller's object stays as it was
             params.update_from_tokenizer(self._encode_word, vocab)

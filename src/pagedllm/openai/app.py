@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from pagedllm.convert import to_bool
 from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
+from pagedllm.openai.chat_fields import ChatTemplateFields
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
 from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
 from pagedllm.openai.models import ServedModel
@@ -47,6 +48,7 @@ from pagedllm.openai.streaming import (
     until_disconnect,
 )
 from pagedllm.openai.structured import Constraint
+from pagedllm.openai.tokenize import Tokenization
 from pagedllm.openai.tokens import TokenTexts
 from pagedllm.openai.tools import ToolUse, template_inputs
 from pagedllm.openai.triton import Generation, TritonBridge, TritonError
@@ -96,6 +98,10 @@ class Gateway:
         self.template_tokens = ChatTemplate.special_tokens_of(config.model_dir, self.tokenizer)
         self.bridge = TritonBridge(config.triton_url, config.triton_model)
         self.model = ServedModel(self.model_name, config.model_dir, self.bridge)
+        # vLLM's /tokenize and /detokenize: models checked, templates chosen as here
+        self.tokenization = Tokenization(
+            self.tokens, self.model, config.max_body_bytes, self._check_model, self._template
+        )
 
     # --- routes ---------------------------------------------------------------------------
 
@@ -180,7 +186,7 @@ class Gateway:
     async def _body(self, request: Request, model: type[T]) -> T:
         return parse_body(model, await read_json(request, self.config.max_body_bytes))
 
-    def _template(self, body: ChatCompletionRequest) -> ChatTemplate:
+    def _template(self, body: ChatTemplateFields) -> ChatTemplate:
         """The request's own template (when the gateway trusts them), else the model's."""
         if body.chat_template is None:
             if self.chat_template is None:
@@ -344,6 +350,8 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/metrics", metrics.metrics, methods=["GET"]),
+            Route("/tokenize", gateway.tokenization.tokenize, methods=["POST"]),  # vLLM's
+            Route("/detokenize", gateway.tokenization.detokenize, methods=["POST"]),
         ],
         exception_handlers=handlers,
         lifespan=lifespan,
