@@ -183,7 +183,8 @@ class Replica:
         model = ["--model", self.model_dir] if self.model_dir else []
         ports = [f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}"]
         ports += [f"--metrics-port={self.metrics_port}"]
-        self.serve = self._spawn([*cli, "serve", *model, *ports], "serve")
+        # the gateway apart (`--no-openai`): this file runs and kills the two on their own
+        self.serve = self._spawn([*cli, "serve", "--no-openai", *model, *ports], "serve")
         grpc = f"127.0.0.1:{self.grpc_port}"
         model_dir = ["--model-dir", self.model_dir] if self.model_dir else []
         gateway = ["openai", "--triton-url", grpc, "--port", str(self.gateway_port), *model_dir]

@@ -76,10 +76,10 @@ def compose() -> Yaml:
 
 @pytest.fixture(scope="module")
 def service(compose: Yaml) -> Yaml:
+    """tritonserver's service (the gateway's: tests/test_compose_gateway.py)."""
     services = compose.get("services") or {}
-    assert len(services) == 1, f"expected one service, got {sorted(services)}"
-    (svc,) = services.values()
-    return svc
+    assert set(services) == {"tritonserver", "openai"}, sorted(services)
+    return dict(services["tritonserver"])
 
 
 @pytest.fixture(scope="module")

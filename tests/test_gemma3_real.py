@@ -261,6 +261,7 @@ def served(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ports = Served(free_port(), free_port())
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", NAME, "--quantization=none"]
+    cmd += ["--no-openai"]  # Triton's endpoints only
     cmd += [f"--http-port={ports.http_port}", f"--grpc-port={ports.grpc_port}"]
     cmd += [f"--metrics-port={free_port()}", f"--log-file={log.with_suffix('.triton.log')}"]
     with open(log, "wb") as out:

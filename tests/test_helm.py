@@ -54,7 +54,7 @@ EVERYTHING: Doc = {
     "inferencePool": {"enabled": True},
     "models": {"volume": {"persistentVolumeClaim": {"claimName": "hf-models"}}},
     "env": {"PAGEDLLM_MODEL_DIR": "/models/Qwen2.5-0.5B-Instruct", "PAGEDLLM_DTYPE": "bfloat16"},
-    "gateway": {"servedModelName": "qwen"},
+    "gateway": {"servedModelName": "qwen", "trustRequestChatTemplate": True},
 }
 VALUE_SETS: dict[str, Doc] = {
     "defaults": {},
@@ -79,8 +79,9 @@ def dockerfile() -> Dockerfile:
 
 @pytest.fixture(scope="module")
 def compose_service() -> Doc:
-    (service,) = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))["services"].values()
-    return dict(service)
+    return dict(
+        yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))["services"]["tritonserver"]
+    )
 
 
 # ---- helm lint, schemas
@@ -239,10 +240,31 @@ def test_gateway_sidecar_talks_to_the_local_tritonserver(monkeypatch: pytest.Mon
     assert config.triton_url == f"localhost:{ports['grpc']}"
     assert config.metrics_url == f"http://localhost:{ports['metrics']}/metrics"
     assert config.model_dir == env_of(triton)["PAGEDLLM_MODEL_DIR"]
-    assert config.served_model_name == "qwen"
+    assert config.served_model_name == "qwen" and config.trust_request_chat_template
     assert seen["host"] == "0.0.0.0"  # reachable from the Service and the endpoint picker
     assert [p["containerPort"] for p in sidecar["ports"]] == [seen["port"]]
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_gateway_sidecar_runs_what_compose_runs(
+    defaults: Doc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart's default sidecar and docker-compose.yml's openai service: the same
+    `pagedllm openai` (parsed by the real CLI), but for where tritonserver is (the pod's
+    localhost, compose's service name)."""
+    monkeypatch.delenv("PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE", raising=False)
+    sidecar = gateway_config(container(defaults, "openai"), monkeypatch)
+    compose = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))["services"]["openai"]
+    argv = [compose_default(word) for word in compose["command"]]
+    composed = gateway_config({"command": argv[:2], "args": argv[2:]}, monkeypatch)
+    trust = compose["environment"]["PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE"]
+    assert compose_default(trust) == "false"  # as the chart's default
+    ours, theirs = sidecar["config"], composed["config"]
+    assert ours.triton_url.replace("localhost", "tritonserver") == theirs.triton_url
+    assert ours.metrics_url.replace("localhost", "tritonserver") == theirs.metrics_url
+    same = ("model_dir", "served_model_name", "chat_template", "trust_request_chat_template")
+    assert [getattr(ours, f) for f in same] == [getattr(theirs, f) for f in same]
+    assert (sidecar["host"], sidecar["port"]) == (composed["host"], composed["port"])
 
 
 def test_disabling_the_gateway_removes_it_everywhere() -> None:

@@ -138,7 +138,7 @@ def test_serve_log_file_is_appended_and_printed(
     log.write_text("an earlier run\n")
     argv = ["serve", "--model", str(checkpoints["llama"]), "--dtype", "float32"]
     argv += ["--log-file", str(log), "--http-port", str(a.http_port)]
-    argv += ["--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+    argv += ["--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--no-openai"]
     assert main(argv) == 1
     out, err = capsys.readouterr()
     assert f"log: {log}" in out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pagedllm import prepare
 from pagedllm.real_models import DEFAULT_MODEL, names
+from pagedllm.serving.gateway import DEFAULT_HOST, DEFAULT_PORT, GatewayOptions
 
 
 def _model_dir(value: str | None) -> str:
@@ -34,6 +35,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _openai(args: argparse.Namespace) -> int:
     from pagedllm.openai.app import GatewayConfig, serve
 
+    # without the flag: GatewayConfig's default (PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE)
+    trust = {"trust_request_chat_template": True} if args.trust_request_chat_template else {}
     config = GatewayConfig(
         triton_url=args.triton_url,
         model_dir=_model_dir(args.model_dir),
@@ -41,8 +44,41 @@ def _openai(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         triton_model=args.triton_model,
         metrics_url=args.metrics_url,
+        **trust,
     )
     return serve(config, args.host, args.port)
+
+
+def _gateway_options(args: argparse.Namespace) -> GatewayOptions | None:
+    """`serve`'s gateway flags; None with --no-openai."""
+    if args.no_openai:
+        return None
+    return GatewayOptions(
+        port=args.openai_port,
+        host=args.openai_host,
+        served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, not {port}")
+    return port
+
+
+def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `serve` and `openai` share, passed on to the gateway."""
+    p.add_argument("--served-model-name", default=None, help="default: the model dir's name")
+    p.add_argument("--chat-template", default=None, help="a Jinja file overriding the model's")
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat request bring its own `chat_template` (off: such requests answer 400; "
+        "also on with PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE=true)",
+    )
 
 
 def _device(value: str) -> str:
@@ -102,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", type=_device, default="auto", help=DEVICE_HELP)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
-    s = sub.add_parser("serve", help="serve the model repository with tritonserver")
+    s = sub.add_parser(
+        "serve", help="serve the model repository with tritonserver, and the OpenAI API beside it"
+    )
     s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--dtype", default="auto")
     s.add_argument(
@@ -144,21 +182,33 @@ def main(argv: list[str] | None = None) -> int:
         help="append the server log here (default: a new file per server under "
         "~/.cache/pagedllm/triton/logs/)",
     )
+    s.add_argument(
+        "--openai-port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help="the OpenAI-compatible gateway started beside tritonserver (`pagedllm openai`, "
+        "/v1/chat/completions with the model's chat template) listens here (default "
+        "%(default)s)",
+    )
+    s.add_argument(
+        "--openai-host", default=DEFAULT_HOST, help="the gateway's address (default %(default)s)"
+    )
+    s.add_argument("--no-openai", action="store_true", help="tritonserver alone, no gateway")
+    _add_gateway_flags(s)
     t = sub.add_parser("trace", help="lifecycle events (JSON lines) -> Chrome/Perfetto trace")
     t.add_argument("events")
     t.add_argument("-o", "--output", default="trace.json")
     o = sub.add_parser("openai", help="OpenAI-compatible API in front of a running tritonserver")
     o.add_argument("--triton-url", default="localhost:8001", help="gRPC host:port of Triton")
-    o.add_argument("--host", default="127.0.0.1")
-    o.add_argument("--port", type=int, default=9000)
+    o.add_argument("--host", default=DEFAULT_HOST)
+    o.add_argument("--port", type=int, default=DEFAULT_PORT)
     o.add_argument(
         "--model-dir",
         default=None,
         help=f"the served HF model dir (tokenizer, chat template), or {REAL_MODELS}; default: "
         f"{DEFAULT}",
     )
-    o.add_argument("--served-model-name", default=None, help="default: the model dir's name")
-    o.add_argument("--chat-template", default=None, help="a Jinja file overriding the model's")
+    _add_gateway_flags(o)
     o.add_argument("--triton-model", default="ensemble", help="default %(default)s")
     o.add_argument(
         "--metrics-url",
@@ -181,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.stream_interval < 1:
                 ap.error("--stream-interval must be >= 1")
             env["PAGEDLLM_STREAM_INTERVAL"] = str(args.stream_interval)
+        if args.no_openai and (
+            args.served_model_name or args.chat_template or args.trust_request_chat_template
+        ):
+            ap.error("--served-model-name, --chat-template and --trust-request-chat-template "
+                     "are the gateway's: drop --no-openai")  # fmt: skip
         if args.trace_file:
             env["PAGEDLLM_TRACE_FILE"] = str(Path(args.trace_file).resolve())
         log_file = Path(args.log_file) if args.log_file else None
@@ -193,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             env,
             log_file,
             quantization,
+            _gateway_options(args),
         )
     if args.command == "trace":
         from pagedllm.engine import tracing

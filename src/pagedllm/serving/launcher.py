@@ -16,6 +16,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pagedllm.serving.gateway import (
+    GatewayOptions,
+    GatewayProcess,
+    log_path_beside,
+    port_in_use,
+)
 from pagedllm.serving.pytriton_wheel import prepare_backend_dir
 from pagedllm.serving.tritonserver import TritonServer
 
@@ -38,17 +44,23 @@ def stub_sys_path() -> list[str]:
 def new_log_file(logs_dir: Path, keep: int = KEEP_LOGS) -> Path:
     """Create ``logs_dir/tritonserver-<date>-<time>-pid<pid>-<random>.log`` for one server (the
     pid is this process's). Of the older logs, the newest ``keep`` stay; the others are deleted
-    unless the process that created them still runs (its server may still write there)."""
+    unless the process that created them still runs (its server may still write there). The
+    log of the OpenAI gateway `pagedllm serve` started beside a server (``<name>.openai.log``)
+    goes with the server's."""
     logs_dir.mkdir(parents=True, exist_ok=True)
     prefix = f"tritonserver-{time.strftime('%Y%m%d-%H%M%S')}-pid{os.getpid()}-"
     fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log", dir=logs_dir)
     os.close(fd)
-    older = sorted(p for p in logs_dir.glob("tritonserver-*.log") if p.name != Path(name).name)
+    older = sorted(
+        p
+        for p in logs_dir.glob("tritonserver-*.log")
+        if p.name != Path(name).name and not p.name.endswith(".openai.log")
+    )
     for old in older[: max(len(older) - keep, 0)]:
         match = re.search(r"-pid(\d+)-", old.name)
         if match is None or not _alive(int(match.group(1))):
-            with contextlib.suppress(FileNotFoundError):
-                old.unlink()
+            for path in (old, log_path_beside(old)):  # and its gateway's
+                path.unlink(missing_ok=True)
     return Path(name)
 
 
@@ -125,7 +137,7 @@ class DrainingServer(TritonServer):
             return super().stop()
         finally:
             with contextlib.suppress(OSError):
-                self.drain_file.unlink()
+                self.drain_file.unlink(missing_ok=True)
                 self.drain_file.parent.rmdir()
 
 
@@ -149,7 +161,15 @@ def serve(
     env: dict[str, str] | None = None,
     log_file: Path | None = None,
     quantization: str | None = None,
+    gateway: GatewayOptions | None = None,
 ) -> int:
+    """`pagedllm serve`: tritonserver, then (unless ``gateway`` is None) the OpenAI gateway in
+    front of it, until Ctrl-C / SIGTERM. Either failing to start, or exiting, stops the other
+    (exit code 1). Stopping: the gateway takes no new connections, the engine drains (streams in
+    flight end), then both exit."""
+    if gateway is not None and (busy := port_in_use(gateway)):
+        print(f"error: {busy}", file=sys.stderr)  # before Triton's minutes of start-up
+        return 1
     server = make_server(
         model_dir,
         ports=(http_port, grpc_port, metrics_port),
@@ -158,32 +178,93 @@ def serve(
         env=env,
         log_file=log_file,
     )
+    openai = GatewayProcess(gateway, log_path_beside(server.log_path)) if gateway else None
     print(f"starting tritonserver with {model_dir} (log: {server.log_path}) ...", flush=True)
     try:
         server.start()
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
     try:
-        print(
-            f"ready:\n  HTTP    {server.http_url}\n  gRPC    {server.grpc_url}\n"
-            f"  metrics {server.metrics_url}\n  log     {server.log_path}\n\ntry:\n"
-            f"  curl -sN {server.http_url}/v2/models/ensemble/generate_stream -d "
-            """'{"text_input": "Once upon a time,", "max_tokens": 32, "stream": true}'\n"""
-            f"  curl -s {server.http_url}/v2/models/ensemble/generate -d "
-            """'{"text_input": "Once upon a time,", "max_tokens": 32, "temperature": 0}'\n"""
-            f"  python -m client.stream --url {server.grpc_url} 'Once upon a time,'\n"
-            "\nCtrl-C stops it.",
-            flush=True,
-        )
-        stop = threading.Event()
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        while not stop.wait(1.0):
-            if server.process is not None and server.process.poll() is not None:
-                print(f"tritonserver exited; see {server.log_path}", file=sys.stderr)
-                return 1
+        code = _run(server, openai, model_dir, stop)
     finally:
+        if openai is not None:
+            openai.terminate()  # no new connections; its streams end with the drain below
         server.stop()
-    print("stopped")
+        if openai is not None:
+            openai.stop()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if code == 0:
+        print("stopped")
+    return code
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _run(
+    server: TritonServer, openai: GatewayProcess | None, model_dir: str, stop: threading.Event
+) -> int:
+    """The gateway's start, then until ``stop`` is set (0) or a process exits (1)."""
+    if openai is not None:
+        print(f"starting the OpenAI gateway (log: {openai.log_path}) ...", flush=True)
+        try:
+            if not openai.start(model_dir, server.grpc_url, server.metrics_url, stop):
+                return 0
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    print(ready_message(server, openai), flush=True)
+    while not stop.wait(1.0):
+        if server.process is not None and server.process.poll() is not None:
+            print(f"tritonserver exited; see {server.log_path}", file=sys.stderr)
+            return 1
+        if openai is not None and (code := openai.exit_code()) is not None:
+            print(f"the OpenAI gateway exited ({code}); see {openai.log_path}", file=sys.stderr)
+            return 1
+    print("stopping ...", flush=True)
     return 0
+
+
+CHAT_BODY = (
+    """'{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of """
+    """France?"}], "max_tokens": 32}'"""
+)
+
+
+def ready_message(server: TritonServer, openai: GatewayProcess | None) -> str:
+    """What `pagedllm serve` prints once it serves: the endpoints, then commands to try (a chat
+    request through the gateway first)."""
+    lines = ["ready:"]
+    chat = []
+    if openai is not None:
+        url = openai.options.url
+        lines.append(f"  OpenAI  {url}/v1 (model {openai.model_name})")
+        chat = [
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            + CHAT_BODY % openai.model_name
+        ]
+    lines += [
+        f"  HTTP    {server.http_url}",
+        f"  gRPC    {server.grpc_url}",
+        f"  metrics {server.metrics_url}",
+        f"  log     {server.log_path}",
+    ]
+    if openai is not None:
+        lines.append(f"  log     {openai.log_path} (the gateway)")
+    lines += [
+        "",
+        "try:",
+        *chat,
+        f"  curl -sN {server.http_url}/v2/models/ensemble/generate_stream -d "
+        """'{"text_input": "Once upon a time,", "max_tokens": 32, "stream": true}'""",
+        f"  curl -s {server.http_url}/v2/models/ensemble/generate -d "
+        """'{"text_input": "Once upon a time,", "max_tokens": 32, "temperature": 0}'""",
+        f"  python -m client.stream --url {server.grpc_url} 'Once upon a time,'",
+        "",
+        "Ctrl-C stops it.",
+    ]
+    return "\n".join(lines)

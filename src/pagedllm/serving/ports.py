@@ -22,13 +22,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_is_free(port: int) -> bool:
-    """Whether a server could listen on 127.0.0.1:``port`` now. ``SO_REUSEADDR`` as the server
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host``:``port`` now. ``SO_REUSEADDR`` as the server
     sets it, so connections of a stopped server (``TIME_WAIT``) do not count."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
         return True
