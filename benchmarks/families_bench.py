@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_checkpoint
-from families import FAMILIES, LAYER_TYPES, make_family_checkpoint
+from families import DENSE, LAYER_TYPES, make_family_checkpoint
 
 SHAPE = dict(
     vocab_size=49152,
@@ -87,7 +87,7 @@ def bench(name: str, root: Path, layers: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--families", default="llama," + ",".join(FAMILIES))
+    ap.add_argument("--families", default="llama," + ",".join(DENSE))
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
     import torch

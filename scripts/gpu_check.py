@@ -164,7 +164,13 @@ def main() -> None:
     # specializations, CUDA graphs vs eager, the KV budget from free memory, device auto,
     # quantized weights decoded for cuBLAS
     if "gpu_tests" in chosen:
-        files = ["test_gpu_kernels", "test_cuda_graphs", "test_device", "test_quantization"]
+        files = [
+            "test_gpu_kernels",
+            "test_cuda_graphs",
+            "test_device",
+            "test_quantization",
+            "test_moe_triton",
+        ]
         args_ = ["-m", "gpu", *(f"tests/{name}.py" for name in files)]
         parts["gpu_tests"] = pytest_part("gpu tests", args_, min(240, left()), log("gpu_tests"))
     # greedy parity with HF transformers, the engine on the device (device auto): batching,

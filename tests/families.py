@@ -93,7 +93,60 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             initializer_range=0.3,
         ),
     ),
+    # mixtures of experts (MOE below)
+    # top-2 of 4, renormalised
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, initializer_range=0.1
+        ),
+    ),
+    # top-2 of 8 without renormalising, a gated shared expert, a dense layer among sparse ones
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # q/k norms, top-3 of 8 renormalised
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            initializer_range=0.1,
+        ),
+    ),
+    # attention sinks, windowed / global layers, biased router and experts, clamped SwiGLU,
+    # gate and up interleaved in one stacked tensor
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            sliding_window=WINDOW,
+            swiglu_limit=0.5,
+            initializer_range=0.1,
+        ),
+    ),
 }
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+DENSE = tuple(name for name in FAMILIES if name not in MOE)
 
 # the same family with the features its config switches off (what they change must be seen in
 # HF's own output, or a parity test could not fail for them: tests/test_families.py checks it);
@@ -114,6 +167,9 @@ FEATURES_OFF: dict[str, dict[str, Any]] = {
         logits_scaling=1.0,
     ),
     "smollm3": dict(no_rope_layers=[1, 1, 1, 1]),
+    "qwen2_moe": dict(mlp_only_layers=[]),
+    "qwen3_moe": dict(norm_topk_prob=False),
+    "gpt_oss": dict(layer_types=["full_attention"] * 2, swiglu_limit=7.0),
 }
 
 
@@ -137,7 +193,7 @@ def build_family_model(name: str, seed: int = 0, **overrides: Any) -> Any:
     torch.manual_seed(seed)
     model = model_cls(family_config(name, **overrides)).eval()
     for param_name, p in model.named_parameters():
-        if param_name.endswith("norm.weight"):
+        if param_name.endswith(("norm.weight", "sinks", "bias")):  # gpt-oss: sinks, biases
             p.copy_(p + 0.3 * torch.randn_like(p))
     return model
 

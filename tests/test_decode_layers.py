@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from families import FAMILIES, make_family_checkpoint
+from families import DENSE, make_family_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig, RopeConfig
 from pagedllm.layers import quant
@@ -103,11 +103,11 @@ def test_one_call_equals_op_by_op(
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {name: make_family_checkpoint(root / name, name) for name in FAMILIES}
+    return {name: make_family_checkpoint(root / name, name) for name in DENSE}
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", DENSE)
 def test_family_one_call_equals_op_by_op(
     family: str, fmt: str, family_checkpoints: dict[str, Path], one_call: list[int]
 ) -> None:
@@ -285,3 +285,22 @@ def test_feature_one_call_equals_op_by_op(
     fused_off, op_by_op_off = fused_and_op_by_op(model, one_call)
     assert same_bits(fused_off, op_by_op_off)
     assert not same_bits(fused_off[:3], fused[:3]), f"{feature} changes nothing"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sinks_one_call_equals_op_by_op(dtype: torch.dtype, one_call: list[int]) -> None:
+    """gpt-oss's attention sinks (each layer's own, a windowed and a global layer) reach the
+    fused step's attention: the same bits as op by op, other logits than without them."""
+    model = tiny_model(tiny_config(layer_windows=(4, None)), dtype)
+    without, _ = fused_and_op_by_op(model, one_call)
+    gen = torch.Generator().manual_seed(1)
+    heads = model.config.num_heads
+    model.layer_weights = [
+        w._replace(attn=w.attn._replace(sinks=torch.randn(heads, generator=gen) * 2 + 2))
+        for w in model.layer_weights
+    ]
+    model._kernel_weights, model._kernel_rows = decoder_kernel.flatten(model)
+    assert model._kernel_weights, "the one-call path refused the sinks"
+    fused, op_by_op = fused_and_op_by_op(model, one_call)
+    assert same_bits(fused, op_by_op)
+    assert not same_bits(fused[:3], without[:3]), "the sinks change nothing"

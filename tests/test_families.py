@@ -17,6 +17,7 @@ from conftest import TINY, hf_greedy, hf_model, random_prompts
 from families import FAMILIES, FEATURES_OFF, build_family_model, make_family_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
+from pagedllm.moe_config import MoeConfig
 
 MAX_NEW = 16
 NAMES = list(FAMILIES)
@@ -73,6 +74,41 @@ def test_config_reads_the_family(name: str, family_checkpoints: dict[str, Path])
         "olmo2": dict(qk_norm="proj", norms="post"),
         "granite": dict(embed_scale=6.0, residual_scale=0.5, attn_scale=0.4, logit_scale=2.0),
         "smollm3": dict(layer_ropes=(0, None, 0, None), layer_windows=(None,) * 4),
+        "mixtral": dict(moe=MoeConfig(4, 2, 64, "softmax"), layer_moe=(True, True)),
+        "qwen2_moe": dict(
+            moe=MoeConfig(
+                8,
+                2,
+                32,
+                "softmax",
+                norm_topk_prob=False,
+                shared_intermediate_size=64,
+                weights_in_model_dtype=True,
+            ),
+            layer_moe=(True, False),
+            qkv_bias=True,
+        ),
+        "qwen3_moe": dict(
+            moe=MoeConfig(8, 3, 32, "softmax", weights_in_model_dtype=True),
+            qk_norm="head",
+        ),
+        "gpt_oss": dict(
+            moe=MoeConfig(
+                4,
+                2,
+                64,
+                "topk_softmax",
+                router_bias=True,
+                expert_bias=True,
+                activation="swiglu_oai",
+                limit=0.5,
+                oai_layout=True,
+            ),
+            attn_sinks=True,
+            layer_windows=(12, None),
+            qkv_bias=True,
+            o_bias=True,
+        ),
     }[name]
     assert {k: getattr(cfg, k) for k in expected} == expected
 

@@ -3,8 +3,8 @@ H100/H200, sm_100 B200) with no GPU: the launches the runtime makes, recorded th
 project's own launchers over the model shapes we claim (pagedllm.layers.kernel_compile), then
 lowered to cubin by the `triton` wheel's own ptxas, whose report gives registers and spills.
 
-Runs `scripts/kernel_report.py` once, in a process without the interpreter (118 launches per
-architecture, about 400 CPU-seconds: 3.5 min on two idle cores, much longer on busy ones);
+Runs `scripts/kernel_report.py` once, in a process without the interpreter (169 launches per
+architecture, about 550 CPU-seconds: 5 min on two idle cores, much longer on busy ones);
 docs/gpu.md's resource table must be the one it prints."""
 
 from __future__ import annotations
@@ -89,9 +89,39 @@ def test_dtypes_and_head_dims_we_claim_are_covered(report: dict[str, Any]) -> No
                     if r["dtype"] == dtype and r["constexprs"]["BLOCK_D"] == width
                 }
                 assert seen == kinds, (rows[0]["kernel"], dtype, width)
+    # attention sinks (gpt-oss, head dim 64: windowed and global layers, decode split and not,
+    # the split's reduction) in every dtype
+    for rows in (decode, prefill):
+        for dtype in ("fp16", "bf16", "fp32"):
+            seen = {
+                r["constexprs"]["USE_WINDOW"]
+                for r in rows
+                if r["dtype"] == dtype and r["constexprs"]["SINKS"]
+            }
+            assert seen == {True, False}, (rows[0]["kernel"], dtype)
+    assert {r["constexprs"]["SPLIT"] for r in decode if r["constexprs"]["SINKS"]} == {True, False}
+    reduce = [r for r in report["rows"] if r["kernel"] == "_reduce_splits_kernel"]
+    assert {r["constexprs"]["SINKS"] for r in reduce} == {True, False}
     workloads = {w.split()[0] for r in report["rows"] for w in r["workloads"]}
     claimed = {"phi-2", "Phi-3-mini", "Llama-3-8B", "Mistral-7B", "SmolLM2-135M", "Qwen3-0.6B"}
-    assert claimed | {"Gemma-2-2B", "Gemma-2-27B", "Gemma-3-270M", "Gemma-3-4B"} <= workloads
+    claimed |= {"Gemma-2-2B", "Gemma-2-27B", "Gemma-3-270M", "Gemma-3-4B", "gpt-oss-20b"}
+    assert claimed <= workloads
+
+
+def test_moe_tiles_and_dtypes_we_claim_are_covered(report: dict[str, Any]) -> None:
+    """The fused-MoE kernels (layers/moe_workloads.py): decode (16-row) and prefill (32- and
+    64-row) tiles in every dtype, with and without biases, SwiGLU and gpt-oss's clamped one."""
+    for kernel in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+        rows = [r for r in report["rows"] if r["kernel"] == kernel]
+        for dtype in ("fp16", "bf16", "fp32"):
+            tiles = {r["constexprs"]["BLOCK_M"] for r in rows if r["dtype"] == dtype}
+            assert tiles == {16, 32, 64}, (kernel, dtype)
+        assert {r["constexprs"]["HAS_BIAS"] for r in rows} == {True, False}, kernel
+    gate_up = [r for r in report["rows"] if r["kernel"] == "_moe_gate_up_kernel"]
+    assert {r["constexprs"]["ACTIVATION"] for r in gate_up} == {"silu", "swiglu_oai"}
+    labels = {w for r in gate_up for w in r["workloads"]}
+    models = {w.split()[1] for w in labels if w.startswith("moe ")}
+    assert models == {"Mixtral-8x7B", "Qwen3-30B-A3B", "gpt-oss-20b"}
 
 
 def test_shared_memory_fits_and_blocks_are_resident(report: dict[str, Any]) -> None:

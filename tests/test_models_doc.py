@@ -75,7 +75,31 @@ def _features(cfg: ModelConfig) -> str:
         out.append("head_dim ≠ hidden / heads")
     if cfg.architecture == "Phi3ForCausalLM":
         out.append("fused q/k/v and gate/up in the checkpoint")
-    return ", ".join(out) or "—"
+    if cfg.attn_sinks:
+        out.append("attention sinks")
+    return ", ".join(out + _moe_features(cfg)) or "—"
+
+
+def _moe_features(cfg: ModelConfig) -> list[str]:
+    moe = cfg.moe
+    if moe is None:
+        return []
+    routing = {
+        "softmax": "softmax top-k" + (", renormalised" if moe.norm_topk_prob else ""),
+        "topk_softmax": "softmax over the top-k logits",
+    }[moe.router]
+    out = [f"MoE: {moe.num_experts} experts, top-{moe.top_k} ({routing})"]
+    if moe.router_bias or moe.expert_bias:
+        out.append("router and expert biases")
+    if moe.activation == "swiglu_oai":
+        out.append("clamped SwiGLU experts")
+    if moe.shared_intermediate_size:
+        out.append("gated shared expert")
+    if not all(cfg.layer_moe):
+        out.append("dense MLP layers among the sparse ones")
+    if moe.oai_layout:
+        out.append("stacked experts, gate/up interleaved, in the checkpoint")
+    return out
 
 
 def render_table() -> str:

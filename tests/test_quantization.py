@@ -15,6 +15,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import hf_greedy, hf_model, random_prompts
 from pagedllm import LLM, SamplingParams
@@ -184,11 +185,48 @@ def _round_inputs(modules: list[torch.nn.Module]) -> None:
         )
 
 
+def _rounding_matmuls(module: torch.nn.Module) -> None:
+    """While `module` runs, every F.linear / @ rounds its left operand as the kernels do (the
+    experts of a MoE: their stacked weights are not modules to hook)."""
+    saved: dict[str, Any] = {}
+
+    def on(*_: Any) -> None:
+        saved["linear"], saved["matmul"] = F.linear, torch.Tensor.__matmul__
+        F.linear = lambda x, w, b=None: saved["linear"](_int8_activations(x).to(x.dtype), w, b)
+        torch.Tensor.__matmul__ = lambda x, w: saved["matmul"](_int8_activations(x).to(x.dtype), w)  # type: ignore[method-assign]
+
+    def off(*_: Any) -> None:
+        F.linear, torch.Tensor.__matmul__ = saved["linear"], saved["matmul"]  # type: ignore[method-assign]
+
+    module.register_forward_pre_hook(on)
+    module.register_forward_hook(off)
+
+
+@torch.no_grad()
+def _dequantize_experts(model: Any, method: str) -> None:
+    """Each expert's weights of the stacked MoE modules (transformers' (E, out, in), gpt-oss's
+    (E, in, out)) quantized as ours are, per expert; their inputs rounded (through their
+    eager forward: the only one whose matmuls can be hooked)."""
+    if any(name.endswith(".experts") for name, _ in model.named_modules()):
+        model.set_experts_implementation("eager")
+    for name, module in model.named_modules():
+        if not name.endswith(".experts") or not hasattr(module, "gate_up_proj"):
+            continue
+        x_at_w = hasattr(module, "gate_up_proj_bias")  # gpt-oss
+        for p in (module.gate_up_proj, module.down_proj):
+            for e in range(p.shape[0]):
+                w = p[e].T if x_at_w else p[e]
+                w = quant.quantize(w.contiguous(), method).dequantize()
+                p[e].copy_(w.T if x_at_w else w)
+        _rounding_matmuls(module)
+
+
 def dequantized_hf(path: Path, method: str) -> Any:
     """HF's model of `path` with what `LLM(quantization=method)` quantizes replaced by its
     dequantized values, and those layers' inputs rounded to int8 in groups of 32."""
     model = hf_model(path)
     linears = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in _LINEARS]
+    _dequantize_experts(model, method)
     with torch.no_grad():
         for module in linears:
             module.weight.copy_(quant.quantize(module.weight, method).dequantize())

@@ -1,6 +1,7 @@
 """The model families: what each adds to the Llama decoder, declared once.
 
-One decoder (model/decoder.py) is assembled from the features a `Family` row names; the
+One decoder (model/decoder.py; a mixture of experts in place of the MLP: model/moe_block.py) is
+assembled from the features a `Family` row names; the
 per-model values (window sizes, multipliers, rope bases, ...) are read from the HF
 `config.json` by `model_config.ModelConfig.from_hf`. A new dense family is a row here plus its
 parity test (DESIGN.md: the decoder from parts).
@@ -40,6 +41,10 @@ class Family:
     local_rope: bool = False
     # layers without rotary on the `no_rope_layers` pattern (SmolLM3: 1 = rope, 0 = NoPE)
     nope_layers: bool = False
+    # mixture of experts (moe_config.py): "mixtral", "qwen_moe" or "gpt_oss" routing and layout
+    moe: str | None = None
+    # a learned per-head logit in each attention softmax (gpt-oss)
+    attn_sinks: bool = False
 
 
 # HF architecture -> its features. Fused q/k/v and gate/up checkpoints (Phi-3) need no
@@ -69,6 +74,10 @@ FAMILIES: dict[str, Family] = {
     "Olmo2ForCausalLM": Family(qk_norm="proj", norms="post"),
     "GraniteForCausalLM": Family(multipliers=True),
     "SmolLM3ForCausalLM": Family(window_flag="use_sliding_window", nope_layers=True),
+    "MixtralForCausalLM": Family(moe="mixtral"),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=True, window_flag="use_sliding_window", moe="qwen_moe"),
+    "Qwen3MoeForCausalLM": Family(qk_norm="head", window_flag="use_sliding_window", moe="qwen_moe"),
+    "GptOssForCausalLM": Family(moe="gpt_oss", attn_sinks=True),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

@@ -10,6 +10,8 @@ from typing import Any
 
 from pagedllm.errors import ConfigError
 from pagedllm.families import ACTIVATIONS, FAMILIES, SUPPORTED_ARCHITECTURES, Family
+from pagedllm.moe_config import MoeConfig
+from pagedllm.moe_config import from_hf as moe_from_hf
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -143,6 +145,10 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention logits capped as cap * tanh(s / cap)
     logit_scale: float = 1.0  # the final logits times this
     final_softcap: float | None = None  # then capped as cap * tanh(x / cap)
+    attn_sinks: bool = False  # a learned logit per head in each softmax
+    # mixture of experts: its settings, and per layer whether it has them (else the dense MLP)
+    moe: MoeConfig | None = None
+    layer_moe: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -183,11 +189,19 @@ class ModelConfig:
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += h if self.o_bias else 0
         attn += {"head": 2 * hd, "proj": q + kv}.get(self.qk_norm or "", 0)
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        attn += self.num_heads if self.attn_sinks else 0
+        dense = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         norms = {"pre": 2, "sandwich": 4, "post": 2}[self.norms]
-        layer = attn + mlp + norms * h
+        moe, sparse = self.moe, sum(self.layer_moe)
+        mlps = (self.num_layers - sparse) * dense
+        if moe is not None:
+            e, ie, s = moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
+            experts = e * (3 * h * ie + ((2 * ie + h) if moe.expert_bias else 0))
+            router = e * h + (e if moe.router_bias else 0)
+            shared = 3 * h * s + h if s else 0
+            mlps += sparse * (experts + router + shared)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * (attn + norms * h) + mlps + embed + h
 
     @property
     def context_length(self) -> int:
@@ -234,6 +248,9 @@ class ModelConfig:
         bias = bool(hf.get("attention_bias", False))
         windows = _layer_windows(hf, family, num_layers)
         ropes, layer_ropes = _ropes(hf, family, windows)
+        moe, layer_moe = None, (False,) * num_layers
+        if family.moe is not None:
+            moe, layer_moe = moe_from_hf(hf, family.moe, num_layers, ACTIVATIONS[act])
         return ModelConfig(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -265,6 +282,9 @@ class ModelConfig:
             attn_softcap=_positive(hf.get("attn_logit_softcapping")),
             logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)) if family.multipliers else 1.0,
             final_softcap=_positive(hf.get("final_logit_softcapping")),
+            attn_sinks=family.attn_sinks,
+            moe=moe,
+            layer_moe=layer_moe,
         )
 
 

@@ -10,7 +10,8 @@ namespace {
 // Tensors per layer in `weights`: the norms before attention, after it, before the MLP, after
 // it, the q and k norms (an empty tensor where the family has none), then (w0, w1, w2, bias)
 // for each of q/k/v, o, gate/up and down: (w, -, -) dense, (q, scales, -) int8,
-// (q, scales, mins) int4, an empty tensor for what is absent.
+// (q, scales, mins) int4, an empty tensor for what is absent; last the attention sinks (fp32,
+// one logit per query head; empty: none).
 enum Slot : int64_t {
   kLn1,
   kPost1,
@@ -22,7 +23,8 @@ enum Slot : int64_t {
   kO = kQkv + 4,
   kGateUp = kO + 4,
   kDown = kGateUp + 4,
-  kPerLayer = kDown + 4,
+  kSinks = kDown + 4,
+  kPerLayer,
 };
 
 // An optional weight of `weights`: given (a defined, non-empty tensor).
@@ -143,8 +145,10 @@ torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tens
   const torch::Tensor kv = qkv.narrow(1, heads, 2 * kv_heads).view({d, 2, kv_heads, head_dim});
   if (!write_kv(kv, cache, s.slot_mapping)) refused("write_kv");
   torch::Tensor out = torch::empty({d, heads, head_dim}, qkv.options());
+  const auto sinks =
+      present(w[kSinks]) ? std::optional<torch::Tensor>(w[kSinks]) : std::nullopt;
   paged_decode_attention(out, qkv.narrow(1, 0, heads), cache, s.block_tables, s.context_lens,
-                         s.scale, window, s.softcap);
+                         s.scale, window, s.softcap, sinks);
   return out.view({d, heads * head_dim});
 }
 

@@ -76,6 +76,10 @@ bool run_split(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
       float top = -std::numeric_limits<float>::infinity(), total = 0.f;
       for (int64_t i = first_run[b]; i < first_run[b + 1]; ++i)
         top = std::max(top, run_max[i * heads + h]);
+      if (a.sinks != nullptr) {  // one more key in the denominator, without a value
+        top = std::max(top, a.sinks[h]);
+        total = std::exp(a.sinks[h] - top);
+      }
       fvec out[kMaxVecs] = {};
       for (int64_t i = first_run[b]; i < first_run[b + 1]; ++i) {
         const int64_t row = i * heads + h;
@@ -84,7 +88,7 @@ bool run_split(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
         total += run_sum[row] * w;
         for (int64_t c = 0; c < nv; ++c) out[c] += acc[row * nv + c] * w;
       }
-      const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys: zeros
+      const float inv = total > 0.f ? 1.f / total : 0.f;  // no keys: zeros (or sink only)
       scalar_t* o = a.out + (b * heads + h) * nv * kLanes;
       for (int64_t c = 0; c < nv; ++c) store(o + c * kLanes, out[c] * inv);
     }
@@ -126,7 +130,12 @@ void check_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_
 }
 
 void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
-                  const torch::Tensor& tables, const torch::Tensor& lens) {
+                  const torch::Tensor& tables, const torch::Tensor& lens,
+                  const std::optional<torch::Tensor>& sinks) {
+  if (sinks)
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == torch::kFloat &&
+                    sinks->dim() == 1 && sinks->is_contiguous() && sinks->size(0) == q.size(1),
+                "sinks: contiguous fp32 (H,) on the CPU, one per query head");
   for (const auto* t : {&out, &q, &cache, &tables, &lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: (D, H, head_dim), last dim contiguous");
@@ -151,21 +160,22 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch:
 template <typename scalar_t>
 Args<scalar_t> make_args(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
                          const torch::Tensor& tables, const torch::Tensor& lens, double scale,
-                         int64_t window, double softcap) {
+                         int64_t window, double softcap, const float* sinks) {
   const int64_t kv_heads = cache.size(3), head_dim = cache.size(4);
   return Args<scalar_t>{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
                         cache.data_ptr<scalar_t>(), cache.size(1), 2 * kv_heads * head_dim,
                         kv_heads, head_dim / kLanes, q.size(1) / kv_heads,
                         tables.data_ptr<int64_t>(), tables.stride(0),
                         lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                        static_cast<float>(scale), window, static_cast<float>(softcap)};
+                        static_cast<float>(scale), window, static_cast<float>(softcap), sinks};
 }
 
 template <typename scalar_t>
 void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
             const torch::Tensor& tables, const torch::Tensor& lens, double scale,
-            int64_t window, double softcap) {
-  const auto args = make_args<scalar_t>(out, q, cache, tables, lens, scale, window, softcap);
+            int64_t window, double softcap, const float* sinks) {
+  const auto args =
+      make_args<scalar_t>(out, q, cache, tables, lens, scale, window, softcap, sinks);
   ReleaseGil no_gil;
   dispatch_head_dim(args, q.size(0));
 }
@@ -174,14 +184,16 @@ void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cac
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                            int64_t sliding_window, double softcap) {
-  check_inputs(out, q, kv_cache, block_tables, context_lens);
+                            int64_t sliding_window, double softcap,
+                            std::optional<torch::Tensor> sinks) {
+  check_inputs(out, q, kv_cache, block_tables, context_lens, sinks);
   TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap must be >= 0 (0: none)");
   const int64_t window = std::max<int64_t>(sliding_window, 0);
   check_tables(block_tables, context_lens, kv_cache.size(1), kv_cache.size(0), window);
+  const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
   const auto launch_as = [&](auto dtype_tag) {
     launch<decltype(dtype_tag)>(out, q, kv_cache, block_tables, context_lens, scale, window,
-                                softcap);
+                                softcap, sink_logits);
   };
   switch (q.scalar_type()) {
     case torch::kFloat: return launch_as(float{});

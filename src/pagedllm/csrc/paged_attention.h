@@ -26,6 +26,7 @@ struct Args {
   float scale;
   int64_t window;  // 0: no sliding window
   float softcap;  // 0: none; else each scaled score s becomes softcap * tanh(s / softcap)
+  const float* sinks;  // nullptr: none; else (H,) one logit per query head (see sink_norm)
 };
 
 // Request b, KV heads [h0, h1): query heads ("rows") [h0 * group, h1 * group).
@@ -185,12 +186,24 @@ void accumulate_values(const Args<scalar_t>& a, const Pass& p, const scalar_t* c
   }
 }
 
+// The factor of a row's unnormalized output (its keys' running max m and their sum under it)
+// once its head's sink logit joins the softmax denominator, as one more key without a value:
+// 1 / (sum + exp(sink - m)), computed under max(m, sink) so that nothing overflows. No keys:
+// zeros (the sink takes all the probability).
+inline float sink_norm(float max, float sum, float sink) {
+  if (sum == 0.f) return 0.f;
+  const float top = std::max(max, sink), alpha = std::exp(max - top);
+  return alpha / (sum * alpha + std::exp(sink - top));
+}
+
 template <typename scalar_t>
 void store_output(const Args<scalar_t>& a, const Pass& p, int64_t nv, Scratch& s) {
-  const int64_t num_heads = a.kv_heads * a.group;
-  scalar_t* out = a.out + (p.b * num_heads + p.h0 * a.group) * nv * kLanes;
+  const int64_t num_heads = a.kv_heads * a.group, head0 = p.h0 * a.group;
+  scalar_t* out = a.out + (p.b * num_heads + head0) * nv * kLanes;
   for (int64_t r = 0; r < p.rows; ++r) {
-    const float inv = s.sum[r] > 0.f ? 1.f / s.sum[r] : 0.f;  // no keys: zeros
+    const float inv = a.sinks != nullptr ? sink_norm(s.max[r], s.sum[r], a.sinks[head0 + r])
+                      : s.sum[r] > 0.f  ? 1.f / s.sum[r]
+                                        : 0.f;  // no keys: zeros
     for (int64_t c = 0; c < nv; ++c)
       store(out + (r * nv + c) * kLanes, s.acc[r * nv + c] * inv);
   }

@@ -36,6 +36,13 @@ def _why_not(cfg: ModelConfig, world: int) -> str | None:
         return f"its {kvh} KV heads cannot be replicated evenly over {world} ranks"
     if cfg.intermediate_size % world:
         return f"its MLP width {cfg.intermediate_size} does not split {world} ways"
+    moe = cfg.moe
+    if moe is not None and moe.intermediate_size % world:
+        return f"its experts' width {moe.intermediate_size} does not split {world} ways"
+    if moe is not None and moe.shared_intermediate_size % world:
+        return (
+            f"its shared expert's width {moe.shared_intermediate_size} does not split {world} ways"
+        )
     return None
 
 
@@ -50,6 +57,8 @@ class ShardPlan:
     kv_head_start: int  # the first KV head this rank holds
     intermediate: int  # local MLP width
     vocab_rows: int  # local embedding / lm_head rows (the padded vocabulary / world)
+    expert_intermediate: int = 0  # local width of each expert (every expert is split)
+    shared_intermediate: int = 0  # local width of the shared expert
 
     @staticmethod
     def create(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
@@ -74,6 +83,8 @@ class ShardPlan:
             kv_head_start=kv_start,
             intermediate=cfg.intermediate_size // world,
             vocab_rows=-(-cfg.vocab_size // world),
+            expert_intermediate=cfg.moe.intermediate_size // world if cfg.moe else 0,
+            shared_intermediate=cfg.moe.shared_intermediate_size // world if cfg.moe else 0,
         )
 
     @property
@@ -82,12 +93,18 @@ class ShardPlan:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` with this rank's sizes: the modules built from it have the shards' shapes."""
+        moe = cfg.moe and dataclasses.replace(
+            cfg.moe,
+            intermediate_size=self.expert_intermediate,
+            shared_intermediate_size=self.shared_intermediate,
+        )
         return dataclasses.replace(
             cfg,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate,
             vocab_size=self.vocab_rows,
+            moe=moe,
         )
 
     def slice_of(
@@ -107,14 +124,28 @@ class ShardPlan:
             if shard == 0:
                 return 0, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
             return 0, self.kv_head_start * head_dim, self.num_kv_heads * head_dim
-        if module == "gate_up_proj":
-            return 0, self.rank * self.intermediate, self.intermediate
+        # column-parallel: this rank's rows of each shard (of each expert's, per expert)
+        widths = {
+            "gate_up_proj": self.intermediate,
+            "experts_gate_up": self.expert_intermediate,
+            "shared_gate_up": self.shared_intermediate,
+        }
+        if module in widths:
+            return 0, self.rank * widths[module], widths[module]
+        if module == "self_attn" and kind == "sinks":  # one per query head
+            return 0, self.rank * self.num_heads, self.num_heads
         if kind == "bias":  # row-parallel biases are added once, after the all-reduce
             return None
         if module == "o_proj":
             return 1, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
-        if module == "down_proj":
-            return 1, self.rank * self.intermediate, self.intermediate
+        # row-parallel: the matching input columns
+        widths = {
+            "down_proj": self.intermediate,
+            "experts_down": self.expert_intermediate,
+            "shared_down": self.shared_intermediate,
+        }
+        if module in widths:
+            return 1, self.rank * widths[module], widths[module]
         if module in ("embed_tokens", "lm_head"):
             return 0, self.vocab_start, self.vocab_rows
         return None

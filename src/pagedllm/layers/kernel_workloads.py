@@ -1,5 +1,5 @@
 """The kernel workloads the compile check records and the GPU check runs: the attention of each
-kind of layer (window, soft-cap) of each model shape we claim, per dtype, over one step's
+kind of layer (window, soft-cap, sinks) of each model shape we claim, per dtype, over one step's
 metadata as the model runner and the graph runner build it, and the bitmask launch. Built on
 any device, with zeros (recording: nothing runs) or random values (the GPU check compares them
 with the reference backend)."""
@@ -21,14 +21,16 @@ GLOBAL = ((None, None),)  # every layer global, no soft-cap
 
 @dataclass(frozen=True)
 class Geometry:
-    """The attention shape of a model class we claim: query heads, KV heads, head dim, and the
-    kinds of its layers, (sliding window, logit soft-cap) each."""
+    """The attention shape of a model class we claim: query heads, KV heads, head dim, the
+    kinds of its layers, (sliding window, logit soft-cap) each, and whether every layer has
+    attention sinks (gpt-oss)."""
 
     model: str
     heads: int
     kv_heads: int
     head_dim: int
     layers: tuple[tuple[int | None, float | None], ...] = GLOBAL
+    sinks: bool = False
 
     def label(self) -> str:
         """Its kinds of layers: "window 4096+softcap 50 / softcap 50"."""
@@ -36,6 +38,7 @@ class Geometry:
         for window, softcap in self.layers:
             parts = [f"window {window}"] if window else []
             parts += [f"softcap {softcap:g}"] if softcap else []
+            parts += ["sinks"] if self.sinks else []
             kinds.append("+".join(parts) or "global")
         return " / ".join(kinds)
 
@@ -48,7 +51,7 @@ def alternating(
     return ((window, softcap), (None, softcap))
 
 
-# head dims 64 / 80 / 96 / 128 / 256, GQA groups 1 to 8, windowed and soft-capped layers
+# head dims 64 / 80 / 96 / 128 / 256, GQA groups 1 to 8, windowed, soft-capped and sink layers
 GEOMETRIES = (
     Geometry("SmolLM2-135M", 9, 3, 64),
     Geometry("Qwen2-0.5B", 14, 2, 64),
@@ -67,6 +70,7 @@ GEOMETRIES = (
     Geometry("Gemma-3-270M", 4, 1, 256, alternating(512)),
     Geometry("Gemma-3-4B", 8, 4, 256, alternating(1024)),
     Geometry("Gemma-3-27B", 32, 16, 128, alternating(1024)),
+    Geometry("gpt-oss-20b", 64, 8, 64, alternating(128), sinks=True),
 )
 BLOCK_SIZE = 16
 VOCAB = 49152  # SmolLM2's: the bitmask launch
@@ -142,7 +146,12 @@ def attention_cases(
 
     layout = TritonAttentionBackend().kv_cache_shape
     name = f"{geo.model} {_short(dtype)}"
-    layers = tuple(AttnLayer(geo.head_dim**-0.5, w, c) for w, c in geo.layers)
+    sinks = None
+    if geo.sinks:  # fp32 whatever the dtype, as the model keeps them
+        sinks = torch.zeros(geo.heads, device=device)
+        if generator is not None:
+            sinks = torch.randn(geo.heads, device=device, generator=generator) * 2 + 2
+    layers = tuple(AttnLayer(geo.head_dim**-0.5, w, c, sinks) for w, c in geo.layers)
     # max_splits is a power of two: 1, 2, 4, ... max_splits
     for splits in [None, *(1 << i for i in range(max_splits.bit_length()))]:
         step, blocks = make_step(MIXED if splits is None else DECODES, device)
@@ -200,3 +209,6 @@ def workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
 
             yield f"{geo.model} {dname} hd{geo.head_dim} {geo.label()}", run
     yield "bitmask fp32", lambda: bitmask_launches(device)
+    from pagedllm.layers.moe_workloads import moe_workloads  # the fused-MoE kernels
+
+    yield from moe_workloads(device)

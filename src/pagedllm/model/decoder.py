@@ -30,6 +30,7 @@ from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 from pagedllm.model import decoder_kernel
+from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weights
 
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
@@ -54,6 +55,8 @@ class Attention(nn.Module):
             per_head = cfg.qk_norm == "head"
             self.q_norm = RMSNorm(cfg.head_dim if per_head else q_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim if per_head else kv_size, cfg.rms_norm_eps)
+        if cfg.attn_sinks:  # a logit per head
+            self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
 
 
 class MLP(nn.Module):
@@ -78,10 +81,11 @@ NORMS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        moe = cfg.moe if cfg.layer_moe and cfg.layer_moe[index] else None
+        self.mlp: MLP | MoeBlock = MLP(cfg) if moe is None else MoeBlock(cfg, moe)
         for name in NORMS[cfg.norms]:
             self.add_module(name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
@@ -100,13 +104,14 @@ class LayerWeights(NamedTuple):
     o_b: torch.Tensor | None
     post1: torch.Tensor | None  # after attention
     ln2: torch.Tensor | None  # before the MLP
-    gate_up_w: Weight
+    gate_up_w: Weight | None  # the dense MLP's (None: experts instead)
     gate_up_b: torch.Tensor | None
-    down_w: Weight
+    down_w: Weight | None
     down_b: torch.Tensor | None
     post2: torch.Tensor | None  # after the MLP
-    attn: AttnLayer  # scale, window, soft-cap
+    attn: AttnLayer  # scale, window, soft-cap, sinks
     rope: int | None  # index of its rotation in ForwardContext.rotary; None: NoPE
+    moe: MoeWeights | None = None  # a mixture of experts in place of the MLP
 
 
 class ForwardContext(NamedTuple):
@@ -139,7 +144,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -170,8 +175,12 @@ class CausalLM(nn.Module):
         w, cfg = self.weight, self.config
         self.layer_weights = []
         for i, l in enumerate(self.decoder_layers()):  # noqa: E741
-            attn = l.self_attn
+            attn, mlp = l.self_attn, l.mlp
             qk = cfg.qk_norm is not None
+            dense = isinstance(mlp, MLP)
+            moe = None
+            if isinstance(mlp, MoeBlock) and cfg.moe is not None:
+                moe = moe_weights(mlp, cfg.moe, w, f"layers.{i}.mlp", self.plan)
             self.layer_weights.append(
                 LayerWeights(
                     l.norm("input_layernorm"),
@@ -183,13 +192,19 @@ class CausalLM(nn.Module):
                     attn.o_proj.bias,
                     l.norm("post_attention_layernorm"),
                     l.norm("pre_feedforward_layernorm"),
-                    w(f"layers.{i}.mlp.gate_up_proj.weight"),
-                    l.mlp.gate_up_proj.bias,
-                    w(f"layers.{i}.mlp.down_proj.weight"),
-                    l.mlp.down_proj.bias,
+                    w(f"layers.{i}.mlp.gate_up_proj.weight") if dense else None,
+                    mlp.gate_up_proj.bias if isinstance(mlp, MLP) else None,
+                    w(f"layers.{i}.mlp.down_proj.weight") if dense else None,
+                    mlp.down_proj.bias if isinstance(mlp, MLP) else None,
                     l.norm("post_feedforward_layernorm"),
-                    AttnLayer(cfg.softmax_scale, cfg.layer_windows[i], cfg.attn_softcap),
+                    AttnLayer(
+                        cfg.softmax_scale,
+                        cfg.layer_windows[i],
+                        cfg.attn_softcap,
+                        attn.sinks.float() if cfg.attn_sinks else None,
+                    ),
                     cfg.layer_ropes[i],
+                    moe,
                 )
             )
         embed = w("embed_tokens.weight")
@@ -225,18 +240,25 @@ class CausalLM(nn.Module):
     def _layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The layers op by op, then the final norm. `x` is the pending output of the last
         block (the embeddings first), `residual` the stream it joins (as in vLLM)."""
-        eps, tp = self.config.rms_norm_eps, self.tp
+        eps = self.config.rms_norm_eps
         residual: torch.Tensor | None = None
         post: torch.Tensor | None = None  # the norm the pending output takes before it joins
         for i, w in enumerate(self.layer_weights):
             x, residual = _join(x, residual, post, w.ln1, eps)
             x = self._attention(x, w, ctx, ctx.kv_caches[i])
             x, residual = _join(x, residual, w.post1, w.ln2, eps)
-            gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-            x = _row_parallel(_act_and_mul(gate_up, self.config.activation), w.down_w, w.down_b, tp)
+            x = self._mlp(x, w)
             post = w.post2
         x, _ = _join(x, residual, post, self.norm.weight, eps)
         return x
+
+    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        cfg = self.config
+        if w.moe is not None and cfg.moe is not None:
+            return moe_forward(x, w.moe, cfg.moe, cfg.activation, self.tp)
+        assert w.gate_up_w is not None and w.down_w is not None
+        gate_up = linear(x, w.gate_up_w, w.gate_up_b)
+        return _row_parallel(_act_and_mul(gate_up, cfg.activation), w.down_w, w.down_b, self.tp)
 
     def _attention(
         self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor

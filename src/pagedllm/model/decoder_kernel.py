@@ -34,15 +34,16 @@ def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
         w
         for layer in model.layer_weights
         for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)
+        if w is not None
     )
     return flat, min(kernel_rows(w) for w in linears)
 
 
 def _layer(w: LayerWeights, dtype: torch.dtype) -> list[torch.Tensor] | None:
     """A layer's tensors in csrc/decoder.cpp's `Slot` order (an empty tensor for what the layer
-    lacks); None where a kernel there would refuse one (the op-by-op path falls back to
-    PyTorch instead): a norm of another dtype, a dense linear whose inputs are not a multiple
-    of 32."""
+    lacks), its attention sinks last; None where a kernel there would refuse one (the op-by-op
+    path falls back to PyTorch instead): a norm of another dtype, a dense linear whose inputs
+    are not a multiple of 32, sinks that are not contiguous fp32 on the CPU."""
     none = torch.empty(0, dtype=dtype)
     norms = (w.ln1, w.post1, w.ln2, w.post2, w.q_norm, w.k_norm)
     if any(n is not None and n.dtype != dtype for n in norms):
@@ -56,9 +57,14 @@ def _layer(w: LayerWeights, dtype: torch.dtype) -> list[torch.Tensor] | None:
     ):
         if isinstance(weight, QuantizedWeight):
             flat += [weight.qweight, weight.scales, none if weight.mins is None else weight.mins]
-        elif weight.shape[1] % 32 == 0:
+        elif weight is not None and weight.shape[1] % 32 == 0:
             flat += [weight, none, none]
         else:
             return None
         flat.append(none if bias is None else bias)
-    return flat
+    sinks = w.attn.sinks
+    if sinks is None:
+        return [*flat, none]
+    if sinks.dtype != torch.float32 or sinks.device.type != "cpu" or not sinks.is_contiguous():
+        return None
+    return [*flat, sinks]

@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.quant import QuantizedWeight
+from pagedllm.model import moe_layout
 from pagedllm.model.rope import interleave_rows
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ def target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     """Map a HF tensor name to our parameter name (and fused shard), None to skip it."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if cfg.moe is not None and (moe := moe_layout.target(name)) is not None:
+        return moe
     m = _LAYER.match(name)
     if m:
         layer, block, proj, kind = m.groups()
@@ -49,9 +52,10 @@ def target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
 
 
 def fused_in_checkpoint(name: str) -> bool:
-    """A q/k/v or gate/up projection stored fused (Phi-3)."""
+    """A q/k/v or gate/up projection stored fused (Phi-3), or every expert's projection in one
+    tensor."""
     m = _LAYER.match(name)
-    return m is not None and m.group(3) in FUSED_IN_CHECKPOINT
+    return (m is not None and m.group(3) in FUSED_IN_CHECKPOINT) or moe_layout.stacked(name)
 
 
 def shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
@@ -59,6 +63,7 @@ def shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
     return {
         "qkv_proj": [q, kv, kv],
         "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+        **moe_layout.shard_sizes(cfg, cfg.hidden_size),
     }
 
 
@@ -73,6 +78,9 @@ def unfuse(
     ours, shard = t
     if not fused_in_checkpoint(name):
         yield ours, shard, tensor
+        return
+    if moe_layout.stacked(name):
+        yield from moe_layout.unfuse(ours, tensor, cfg)
         return
     sizes = shard_sizes(cfg)[ours.split(".")[-2]]
     if tensor.shape[0] != sum(sizes):

@@ -11,8 +11,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ConfigError, ModelConfig
+from pagedllm.layers.moe import quantize_experts
 from pagedllm.layers.quant import QuantizedWeight, packs_on_cpu, quantize, quantize_int8
-from pagedllm.model import arena, gguf, layout
+from pagedllm.model import arena, gguf, layout, moe_layout
 from pagedllm.model.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -125,8 +126,12 @@ def load_model(
     if quantization in ("int8", "int4"):
         _quantize(model, cfg, quantization)
     if torch.device(device).type == "cpu":
-        if model.quantized and packs_on_cpu():  # for the AVX-512 VNNI kernels
-            model.quantized.update((name, w.pack()) for name, w in model.quantized.items())
+        if model.quantized and packs_on_cpu():  # for the AVX-512 VNNI kernels (not experts)
+            model.quantized.update(
+                (name, w.pack())
+                for name, w in model.quantized.items()
+                if name.split(".")[-2] not in moe_layout.EXPERT_MODULES
+            )
         arena.adopt(model)  # the weights on huge pages: streamed faster by decode
     model.finalize_weights()
     return model.eval()
@@ -147,8 +152,11 @@ def _copy(
     if ours not in params:
         raise ConfigError(f"unexpected tensor {source!r} in the checkpoint")
     dest = params[ours].data
+    module = ours.split(".")[-2]
+    if module in moe_layout.EXPERT_MODULES:  # per expert: shards of the flattened (E * rows)
+        dest = dest.flatten(0, 1)
     if shard is not None:
-        dest = dest.split(shard_sizes[ours.split(".")[-2]], dim=0)[shard]
+        dest = dest.split(shard_sizes[module], dim=0)[shard]
     if dest.shape != tensor.shape:
         raise ConfigError(
             f"tensor {source!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
@@ -240,26 +248,27 @@ def _zero_rows(w: QuantizedWeight, rows: int) -> QuantizedWeight:
     )
 
 
-_QUANTIZED_LAYER_WEIGHTS = (
-    "self_attn.qkv_proj",
-    "self_attn.o_proj",
-    "mlp.gate_up_proj",
-    "mlp.down_proj",
-)
+_DENSE_MLP = ("mlp.gate_up_proj", "mlp.down_proj")
+_MOE_MLP = ("mlp.shared_gate_up", "mlp.shared_down")  # the experts' are stacked
 
 
 @torch.no_grad()
 def _quantize(model: CausalLM, cfg: ModelConfig, method: str) -> None:
     """The decoder layers' linear weights in `method`; the embeddings (and an untied lm_head)
     in int8 per row, as llama.cpp keeps its token embeddings at 8 bits in 4-bit files."""
-    names = [
-        f"layers.{i}.{proj}.weight"
-        for i in range(cfg.num_layers)
-        for proj in _QUANTIZED_LAYER_WEIGHTS
-    ]
+    names, experts = [], []
+    for i in range(cfg.num_layers):
+        sparse = bool(cfg.layer_moe) and cfg.layer_moe[i]
+        mlp = _MOE_MLP[: 2 if cfg.moe and cfg.moe.shared_intermediate_size else 0]
+        for proj in ("self_attn.qkv_proj", "self_attn.o_proj", *(mlp if sparse else _DENSE_MLP)):
+            names.append(f"layers.{i}.{proj}.weight")
+        if sparse:
+            experts += [f"layers.{i}.mlp.{m}.weight" for m in moe_layout.EXPERT_MODULES]
     try:
         for name in names:
             model.set_quantized(name, quantize(model.get_parameter(name).data, method))
+        for name in experts:
+            model.set_quantized(name, quantize_experts(model.get_parameter(name).data, method))
     except ValueError as e:
         raise ConfigError(f"cannot quantize this model to {method}: {e}") from e
     heads = ["embed_tokens.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])

@@ -43,12 +43,16 @@ def split_qkv(qkv: torch.Tensor, h: int, kvh: int) -> tuple[torch.Tensor, torch.
 
 class AttnLayer(NamedTuple):
     """One layer's attention: the softmax scale, its sliding window (a query at position p
-    sees keys (p - window, p]; None: all before it) and the logit soft-cap (scores become
-    cap * tanh(s / cap) after scaling; None: none)."""
+    sees keys (p - window, p]; None: all before it), the logit soft-cap (scores become
+    cap * tanh(s / cap) after scaling; None: none) and the attention sinks (gpt-oss): one
+    learned logit per query head that joins each query's softmax denominator and has no value,
+    out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])); fp32 (num_heads,) of this
+    rank's heads, on the model's device; None: none."""
 
     scale: float
     window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 class DecodeBatch(NamedTuple):

@@ -99,4 +99,5 @@ class CpuAttentionBackend:
             layer.scale,
             layer.window,
             layer.softcap,
+            layer.sinks,
         )

@@ -11,9 +11,10 @@ cannot follow it). With fewer tasks than twice the threads (batch 1: SmolLM2's 3
 on 2 threads) each request's keys are cut instead into one run per thread (a tile at least),
 each attended for all heads, and the runs' softmax sums merged (flash-decoding). Online
 softmax in fp32 over tiles of 32 keys, each tile's scores soft-capped first where the layer
-has a cap (one branch per tile, nothing in the dot products); fp32, bf16 and fp16 caches,
-accumulation in fp32, head_dim a multiple of 16 up to 256. `write_kv` stores a step's new
-keys and values in their slots (one copy per token).
+has a cap (one branch per tile, nothing in the dot products); attention sinks join each head's
+denominator once, when its output is normalized (nothing in the key loop); fp32, bf16 and
+fp16 caches, accumulation in fp32, head_dim a multiple of 16 up to 256. `write_kv` stores a
+step's new keys and values in their slots (one copy per token).
 
 The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
 `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding` in place on q and k): one pass per
@@ -75,6 +76,7 @@ _SOURCES = (
     "qgemv_row.cpp",
     "qgemv_packed.cpp",
     "qgemv.cpp",
+    "moe.cpp",
     "decoder.cpp",
 )
 # the functions the extension exports (part of its name: a build never lacks one)
@@ -93,6 +95,7 @@ _FUNCTIONS = (
     "dequantize_int4",
     "packed_rows",
     "decode_layers",
+    "fused_moe",
 )
 
 
@@ -198,6 +201,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged context, written into `out`.
 
@@ -206,7 +210,8 @@ def paged_decode_attention(
     block_tables: int64 (>= D, max_blocks) with contiguous rows; context_lens: int64 (D,), the
     tokens in the cache including the new one. Only keys at positions >= ctx - sliding_window
     are attended if a window is given; with `softcap` the scaled scores are capped as
-    cap * tanh(s / cap). Raises RuntimeError if the kernel is unavailable.
+    cap * tanh(s / cap); `sinks`, contiguous fp32 (H,), join each head's softmax denominator
+    (`AttnLayer.sinks`). Raises RuntimeError if the kernel is unavailable.
     """
     module = load_kernels()
     if module is None:
@@ -222,6 +227,7 @@ def paged_decode_attention(
         float(scale),
         sliding_window or 0,
         float(softcap or 0.0),
+        sinks,
     )
     return out
 

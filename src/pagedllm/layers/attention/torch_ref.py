@@ -137,17 +137,25 @@ def _attend(
     layer: AttnLayer,
     gqa: bool,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale [soft-capped], masked) v; without a soft-cap, torch's fused
-    attention."""
-    if layer.softcap is None:
+    """softmax(q k^T * scale [soft-capped], masked [, sinks]) v; without a soft-cap or sinks,
+    torch's fused attention."""
+    if layer.softcap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
         )
     if gqa:  # (1, kv, T, hd) -> (1, heads, T, hd)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    cap = layer.softcap
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scale
-    scores = torch.tanh(scores / cap) * cap
+    if layer.softcap is not None:
+        cap = layer.softcap
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    if layer.sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        # one more column per query, its head's sink logit, dropped after the softmax. Rows
+        # are heads: q (D, kv, group, hd) for the decodes, (1, heads, L, hd) for a prefill
+        sinks = layer.sinks.float().view(q.shape[1], -1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -8,8 +8,8 @@ of the reference layout; the tests use that to compare both backends on the same
 Per-step metadata is built from the step's host lists (query starts, context lengths) and
 copied to the device without a synchronization (pinned memory, non-blocking); the decode path
 can also be built straight from device buffers (`decode_metadata`), which is what a CUDA graph
-captures. It holds nothing of a layer: each layer's window, soft-cap and scale (`AttnLayer`)
-come with its `forward` call and select the kernels' variants per launch.
+captures. It holds nothing of a layer: each layer's window, soft-cap, sinks and scale
+(`AttnLayer`) come with its `forward` call and select the kernels' variants per launch.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class TritonAttentionBackend:
                 layer.window,
                 cfg,
                 layer.softcap,
+                layer.sinks,
             )
         if m.tile_request.shape[0]:
             triton_prefill.paged_prefill(
@@ -139,6 +140,7 @@ class TritonAttentionBackend:
                 layer.window,
                 cfg,
                 layer.softcap,
+                layer.sinks,
             )
         return out
 

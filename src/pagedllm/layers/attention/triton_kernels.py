@@ -17,8 +17,11 @@ table (`pos // block_size`), so a key tile (`BLOCK_N`) is independent of the blo
 
 A layer's features are constexpr switches of the attention kernels, chosen per launch from its
 `AttnLayer`: `USE_WINDOW` (a sliding window: the key loop starts where the window does) and
-`SOFTCAP` (logits capped as cap * tanh(s / cap) before the mask, see `score_scales`); a layer
-without them runs a kernel compiled without their code.
+`SOFTCAP` (logits capped as cap * tanh(s / cap) before the mask, see `score_scales`) and
+`SINKS` (a learned logit per query head joins each row's softmax denominator once, after the
+key loop, as one more key without a value, under the new running max max(m, sink): nothing
+overflows, and a row without keys gets output 0); a layer without them runs a kernel compiled
+without their code.
 
 No launch reads a device value on the host: grids depend on host-known sizes only.
 
@@ -37,6 +40,7 @@ from pagedllm.layers.attention.triton_launch import KernelConfig, decode_launch,
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy (a global they may read)
 
 
 def dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
@@ -129,6 +133,7 @@ def _decode_kernel(
     out_ptr,  # (D, heads, head_dim), used without SPLIT
     part_out_ptr,  # (D, heads, splits, BLOCK_D) fp32, normalized partial outputs
     part_lse_ptr,  # (D, heads, splits) fp32, log2-sum-exp2 of each split's scores
+    sinks_ptr,  # (heads,) fp32 sink logits; used when SINKS (and not SPLIT: the reduction's)
     qk_scale,  # q.k times this (`score_scales`)
     softcap_log2,  # soft-cap * log2(e); used when SOFTCAP
     stride_q_tok,
@@ -147,6 +152,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # the context is split over the grid's third axis
     USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -207,6 +213,12 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS and not SPLIT:  # split: the sinks join in the reduction, once
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]  # rows without keys: 0
     if not SPLIT:
@@ -227,11 +239,13 @@ def _decode_kernel(
 def _reduce_splits_kernel(
     part_out_ptr,  # (D, heads, splits, BLOCK_D) fp32
     part_lse_ptr,  # (D, heads, splits) fp32
+    sinks_ptr,  # (heads,) fp32 sink logits; used when SINKS
     out_ptr,
     stride_o_tok,
     stride_o_head,
     head_dim,
     num_splits,
+    SINKS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # a power of two >= num_splits
     BLOCK_D: tl.constexpr,
 ):
@@ -243,11 +257,16 @@ def _reduce_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:  # one more term of the denominator, without a value (log2 units)
+        sink = tl.load(sinks_ptr + h) * LOG2E_C
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key (padding row)
     w = tl.exp2(lse - m)  # (BLOCK_S,): 0 past the splits
     parts_off = (row * num_splits + s[:, None]) * BLOCK_D + d[None, :]
     parts = tl.load(part_out_ptr + parts_off, mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     o_off = r.to(tl.int64) * stride_o_tok + h * stride_o_head + d
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
@@ -264,11 +283,12 @@ def paged_decode(
     window: int | None = None,
     cfg: KernelConfig | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out[r]` = attention of `q[r]` (D, heads, head_dim) over the first `context_lens[r]`
     slots of block table row `r` (the last `window` of them with a window; scores soft-capped
-    with a `softcap`). `num_splits` (a power of two) is fixed by the caller, so a CUDA graph
-    can capture the launch."""
+    with a `softcap`; `sinks`, fp32 (heads,), in each head's denominator). `num_splits` (a
+    power of two) is fixed by the caller, so a CUDA graph can capture the launch."""
     cfg = cfg or KernelConfig()
     d, heads, head_dim = q.shape
     kv_heads = cache.shape[2]
@@ -293,6 +313,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        out if sinks is None else sinks,  # (unused without sinks)
         *score_scales(scale, softcap),
         q.stride(0),
         q.stride(1),
@@ -307,6 +328,7 @@ def paged_decode(
         SPLIT=num_splits > 1,
         USE_WINDOW=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         BLOCK_G=pow2(group),
         BLOCK_N=launch.block_n,
         BLOCK_D=block_d,
@@ -319,11 +341,13 @@ def paged_decode(
         _reduce_splits_kernel[(d, heads)](
             part_out,
             part_lse,
+            out if sinks is None else sinks,
             out,
             out.stride(0),
             out.stride(1),
             head_dim,
             num_splits,
+            SINKS=sinks is not None,
             BLOCK_S=pow2(max(num_splits, cfg.max_splits), 1),
             BLOCK_D=block_d,
         )

@@ -47,8 +47,8 @@ class Launch:
 
 def decode_launch(cfg: KernelConfig, dtype: torch.dtype, head_dim: int, group: int) -> Launch:
     """Chosen from the kernel compiled for sm_80 / 89 / 90 / 100 (scripts/kernel_report.py;
-    docs/gpu.md), every variant (window, soft-cap, split): no register spills on any of them,
-    shared memory within sm_89's 99 KiB. In 16 bits, 4 warps and 128-key tiles up to head dim
+    docs/gpu.md), every variant (window, soft-cap, sinks, split): no register spills on any of
+    them, shared memory within sm_89's 99 KiB. In 16 bits, 4 warps and 128-key tiles up to head dim
     64 (64-key to 128) were the fastest on an H200 (benchmarks/gpu_decode_sweep.py: 25 %
     under 8 warps and 64-key tiles); head dim 256 (Gemma) halves the key tile again, so that
     the keys and values of a stage stay at 32 KiB. `group` query heads per KV head."""

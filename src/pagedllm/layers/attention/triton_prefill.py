@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.attention.triton_kernels import dot_options, score_scales
+from pagedllm.layers.attention.triton_kernels import LOG2E_C, dot_options, score_scales
 from pagedllm.layers.attention.triton_launch import KernelConfig, pow2, prefill_launch
 
 # --- prefill / chunked prefill ---------------------------------------------------------------
@@ -23,6 +23,7 @@ def _prefill_kernel(
     tile_request_ptr,  # (T,) int32: the request of each query tile
     tile_row_ptr,  # (T,) int32: the tile's first query row, within its request
     out_ptr,
+    sinks_ptr,  # (heads,) fp32 sink logits; used when SINKS
     qk_scale,  # q.k times this (triton_kernels.score_scales)
     softcap_log2,  # soft-cap * log2(e); used when SOFTCAP
     stride_q_tok,
@@ -40,6 +41,7 @@ def _prefill_kernel(
     window,  # query at position p sees keys (p - window, p]; used when USE_WINDOW
     USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -105,6 +107,12 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS:  # one more key without a value (see triton_kernels.py)
+        sink = tl.load(sinks_ptr + head) * LOG2E_C
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = tok[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
     tl.store(
@@ -125,11 +133,13 @@ def paged_prefill(
     window: int | None = None,
     cfg: KernelConfig | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every tile's query rows (see `prefill_tiles`, built with
     `cfg.prefill_block_m`) over its request's first `context_lens[r]` cached slots, the last
     `q_len` of which are the chunk's own tokens (with a `window`, the last `window` up to each
-    query; scores soft-capped with a `softcap`)."""
+    query; scores soft-capped with a `softcap`; `sinks`, fp32 (heads,), in each head's
+    denominator)."""
     cfg = cfg or KernelConfig()
     _, heads, head_dim = q.shape
     group = heads // cache.shape[2]
@@ -148,6 +158,7 @@ def paged_prefill(
         tile_request,
         tile_row,
         out,
+        out if sinks is None else sinks,  # (unused without sinks)
         *score_scales(scale, softcap),
         q.stride(0),
         q.stride(1),
@@ -161,6 +172,7 @@ def paged_prefill(
         window or 0,
         USE_WINDOW=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_D=pow2(head_dim),
