@@ -113,3 +113,69 @@ def test_experts_stacked_in_the_checkpoint(tmp_path: Path) -> None:
     for a, b in zip(*got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def _deepseek_config(**overrides: object) -> object:
+    import transformers
+
+    fields = dict(
+        TINY,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=0,
+    )
+    return transformers.DeepseekV3Config(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_deepseek_block_is_transformers_block(norm: bool) -> None:
+    """DeepSeek-V3's MoE block (sigmoid scores, a correction bias that only chooses, the best 2
+    of 4 groups, routed scaling, two shared experts without a gate) against transformers'
+    DeepseekV3MoE on the same weights, ties included (experts 0-2 share a router row)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from pagedllm.layers.moe import Experts
+    from pagedllm.model.moe_block import MoeWeights, SharedExpert, moe_forward
+    from pagedllm.moe_config import from_hf
+
+    hf_cfg = _deepseek_config(norm_topk_prob=norm)
+    moe, sparse = from_hf(hf_cfg.to_dict(), "deepseek", 2, "silu")  # type: ignore[attr-defined]
+    assert sparse == (True, True) and moe.shared_intermediate_size == 64
+    torch.manual_seed(0)
+    block = DeepseekV3MoE(hf_cfg).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+        block.gate.weight[1:3] = block.gate.weight[0]
+        block.gate.e_score_correction_bias.copy_(torch.randn(16) * 0.05)
+    x = torch.randn(40, TINY["hidden_size"])
+    with torch.no_grad():
+        want = block(x[None])[0]
+        _, want_w, want_ids = block.gate(x)
+    shared = block.shared_experts
+    weights = MoeWeights(
+        block.gate.weight,
+        None,
+        Experts(block.experts.gate_up_proj.data, block.experts.down_proj.data),
+        SharedExpert(
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight]),
+            shared.down_proj.weight,
+            None,
+        ),
+        block.gate.e_score_correction_bias,
+    )
+    from pagedllm.model.moe_block import route
+
+    got_w, got_ids = route(
+        torch.nn.functional.linear(x, block.gate.weight), moe, weights.score_bias
+    )
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=0, atol=0)
+    with torch.no_grad():
+        got = moe_forward(x, weights, moe, "silu", None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

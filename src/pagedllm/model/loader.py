@@ -77,8 +77,9 @@ def _materialize(model: torch.nn.Module, device: str, dtype: torch.dtype) -> Non
     made: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays shared
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if id(p) not in made:
-                empty = torch.empty(p.shape, device=device, dtype=dtype)
+            if id(p) not in made:  # a few stay fp32 whatever the dtype (DeepSeek's router)
+                keep = getattr(p, "keep_fp32", False)
+                empty = torch.empty(p.shape, device=device, dtype=torch.float32 if keep else dtype)
                 made[id(p)] = torch.nn.Parameter(empty, requires_grad=p.requires_grad)
             setattr(module, name, made[id(p)])
 

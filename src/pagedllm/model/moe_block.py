@@ -42,18 +42,23 @@ class MoeBlock(nn.Module):
         super().__init__()
         h, e, i = cfg.hidden_size, moe.num_experts, moe.intermediate_size
         self.router = nn.Linear(h, e, bias=moe.router_bias)
+        if moe.router == "sigmoid_grouped":  # held in fp32, as transformers holds them
+            self.score_bias = nn.Parameter(torch.empty(e))  # selection only
+            for p in (self.router.weight, self.score_bias):
+                p.keep_fp32 = True  # type: ignore[attr-defined]  # read by the loader
         self.experts_gate_up = Stacked(e, 2 * i, h, moe.expert_bias)
         self.experts_down = Stacked(e, h, i, moe.expert_bias)
         if s := moe.shared_intermediate_size:
             self.shared_gate_up = nn.Linear(h, 2 * s, bias=False)
             self.shared_down = nn.Linear(s, h, bias=False)
-            self.shared_gate = nn.Linear(h, 1, bias=False)
+            if moe.shared_gate:
+                self.shared_gate = nn.Linear(h, 1, bias=False)
 
 
 class SharedExpert(NamedTuple):
     gate_up: Weight
     down: Weight
-    gate: torch.Tensor  # (1, H)
+    gate: torch.Tensor | None  # (1, H): its output times sigmoid(gate . x)
 
 
 class MoeWeights(NamedTuple):
@@ -61,6 +66,7 @@ class MoeWeights(NamedTuple):
     router_b: torch.Tensor | None
     experts: Experts
     shared: SharedExpert | None
+    score_bias: torch.Tensor | None = None  # sigmoid_grouped: added to the scores to choose
 
 
 def moe_weights(
@@ -89,23 +95,49 @@ def moe_weights(
         shared = SharedExpert(
             get(f"{prefix}.shared_gate_up.weight"),
             get(f"{prefix}.shared_down.weight"),
-            block.shared_gate.weight,
+            block.shared_gate.weight if moe.shared_gate else None,
         )
-    return MoeWeights(block.router.weight, block.router.bias, experts, shared)
+    bias = block.score_bias if moe.router == "sigmoid_grouped" else None
+    return MoeWeights(block.router.weight, block.router.bias, experts, shared, bias)
 
 
-def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits (N, E), in the model's dtype -> each token's top-k experts' weights (fp32)
-    and ids, computed as transformers does (its dtypes, and `torch.topk`'s tie-breaking)."""
+def route(
+    logits: torch.Tensor, moe: MoeConfig, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (N, E), in the model's dtype (fp32 for sigmoid_grouped) -> each token's
+    top-k experts' weights (fp32) and ids, computed as transformers does (its dtypes, and
+    `torch.topk`'s tie-breaking)."""
     if moe.router == "topk_softmax":  # the top k logits, softmax over them
         values, ids = torch.topk(logits, moe.top_k, dim=-1)
         return torch.softmax(values, dim=-1).float(), ids
+    if moe.router == "sigmoid_grouped":
+        return _grouped(logits, moe, score_bias)
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True)
     if moe.weights_in_model_dtype:
         weights = weights.to(logits.dtype).float()
     return weights, ids
+
+
+def _grouped(
+    logits: torch.Tensor, moe: MoeConfig, score_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing: groups ranked by the sum of their two best (bias-corrected)
+    scores, the experts of the best `topk_group` groups compete for the top k."""
+    n, e = logits.shape
+    scores = logits.float().sigmoid()
+    choice = scores if score_bias is None else scores + score_bias
+    per_group = e // moe.n_group
+    group_scores = choice.view(n, moe.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, ids
 
 
 def fused_experts(
@@ -130,9 +162,12 @@ def moe_forward(
 ) -> torch.Tensor:
     """(N, H) -> (N, H): the block's output (all-reduced under tensor parallelism).
     `activation`: the shared expert's (the model's MLP activation)."""
-    weights, ids = route(linear(x, w.router_w, w.router_b), moe)
+    router_x = x.float() if w.router_w.dtype == torch.float32 else x
+    weights, ids = route(linear(router_x, w.router_w, w.router_b), moe, w.score_bias)
     out = fused_experts(x, weights, ids, w.experts)
     if w.shared is not None:
         shared = linear(gated_act(linear(x, w.shared.gate_up), activation), w.shared.down)
-        out = out + torch.sigmoid(linear(x, w.shared.gate)) * shared
+        if w.shared.gate is not None:
+            shared = torch.sigmoid(linear(x, w.shared.gate)) * shared
+        out = out + shared
     return out if tp is None else tp.all_reduce(out)

@@ -21,7 +21,7 @@ _PER_EXPERT = re.compile(
 )
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)\.(\w+)$")
-_SHARED = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(\w+)_proj\.weight$")
+_SHARED = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_experts?\.(\w+)_proj\.weight$")
 _SHARED_GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight$")
 # a projection -> (our module, its part within an expert's gate_up: None for down)
 _PROJ = {
@@ -55,6 +55,8 @@ def target(name: str) -> tuple[str, int | None] | None:
         module = "experts_gate_up" if proj == "gate_up_proj" else "experts_down"
         return f"layers.{layer}.mlp.{module}.{'bias' if bias else 'weight'}", None
     if m := _ROUTER.match(name):
+        if m.group(2) == "e_score_correction_bias":  # DeepSeek's: for choosing only
+            return f"layers.{m.group(1)}.mlp.score_bias", None
         return f"layers.{m.group(1)}.mlp.router.{m.group(2)}", None
     if m := _SHARED.match(name):
         module, part = _SHARED_PROJ[m.group(2)]
