@@ -20,11 +20,12 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from families_bench import tok_per_s
 
 from families import make_family_checkpoint
 
@@ -38,21 +39,6 @@ ATTENTION = dict(
     tie_word_embeddings=True,
 )
 EXPERTS, TOP_K, WIDTH = 64, 8, 192
-PROMPT, NEW = 64, 64
-
-
-def tok_per_s(llm: Any, batch: int) -> float:
-    from pagedllm import SamplingParams
-
-    prompts = [
-        {"prompt_token_ids": [100 + (i * 7 + j) % 4000 for j in range(PROMPT)]}
-        for i in range(batch)
-    ]
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return round(batch * NEW / (time.perf_counter() - start), 1)
 
 
 def run(path: Path, dtype: str, loop: bool = False) -> dict[str, float]:
@@ -102,8 +88,8 @@ def main() -> None:
         "moe": {k: v for k, v in moe.items() if k != "initializer_range"},
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
-        "prompt_tokens": PROMPT,
-        "new_tokens": NEW,
+        "prompt_tokens": 64,
+        "new_tokens": 64,
         "paths": rows,
         "fused_over_loop_batch_32": round(
             rows["fused"]["batch_32_tok_s"] / rows["loop"]["batch_32_tok_s"], 2

@@ -175,6 +175,7 @@ def test_kernels_refuse_what_they_do_not_handle() -> None:
 # (Phi-3 fuses q/k/v and gate/up in its checkpoint: rows are quantized alike fused or not)
 _LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 _LINEARS += ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+_LINEARS += ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # latent attention's (not kv_b_proj)
 
 
 def _round_inputs(modules: list[torch.nn.Module]) -> None:
@@ -312,7 +313,7 @@ def test_serving_settings_and_cli_defaults(
     monkeypatch.setenv("PAGEDLLM_QUANTIZATION", "int8")
     assert engine_config(params).quantization == "int8"
     calls: list[Any] = []
-    monkeypatch.setattr(launcher, "serve", lambda *args: calls.append(args[-1]) or 0)
+    monkeypatch.setattr(launcher, "serve", lambda *args: calls.append(args[7]) or 0)  # quantization
     for argv in (["serve"], ["serve", "--model", "/m"], ["serve", "--quantization", "int4"]):
         assert main(argv) == 0
     assert calls == ["gguf", "none", "int4"]

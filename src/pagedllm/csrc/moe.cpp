@@ -83,30 +83,6 @@ struct DenseExperts {
   }
 };
 
-// Rows [r0, r1) of a quantized weight against m rounded rows: qgemm's loop (qgemv.cpp), two
-// rows of W at a time against four of x.
-template <typename F>
-void quantized_rows(const F& f, const QuantizedRows& x, int64_t m, int64_t k, int64_t r0,
-                    int64_t r1, float* y, int64_t ld) {
-  const int64_t stride = 2 * padded_groups(k);  // a row's scales and mins
-  thread_local std::vector<float> sc;
-  if (static_cast<int64_t>(sc.size()) < 2 * stride) sc.resize(2 * stride);
-  float out[2 * kRowsX];
-  for (int64_t r = r0; r < r1; r += 2) {
-    const int R = r + 1 < r1 ? 2 : 1;
-    for (int a = 0; a < R; ++a) f.begin(r + a, sc.data() + a * stride);
-    for (int64_t i0 = 0; i0 < m; i0 += kRowsX) {
-      const int64_t rows = std::min<int64_t>(kRowsX, m - i0);
-      if (R == 2)
-        qdot_rows<2>(f, x, i0, rows, k, r, sc.data(), stride, out);
-      else
-        qdot_rows<1>(f, x, i0, rows, k, r, sc.data(), stride, out);
-      for (int64_t j = 0; j < rows; ++j)
-        for (int a = 0; a < R; ++a) y[(i0 + j) * ld + r + a] = out[j * R + a];
-    }
-  }
-}
-
 // Rows [r0, r1) of a quantized weight against one rounded row (qgemv_one's loop).
 template <typename W>
 void quantized_one(const W& w, const RoundedRow& x, int64_t r0, int64_t r1, float* y) {

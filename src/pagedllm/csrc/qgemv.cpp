@@ -288,29 +288,38 @@ void qdot_rows(const F& f, const QuantizedRows& x, int64_t i0, int64_t rows, int
   }
 }
 
+// Rows [r0, r1) of a quantized weight against m rounded rows into y (row stride ld), two rows
+// of W at a time against four of x (qgemm's loop; csrc/moe.cpp's experts too).
+template <typename F>
+void quantized_rows(const F& f, const QuantizedRows& x, int64_t m, int64_t k, int64_t r0,
+                    int64_t r1, float* y, int64_t ld) {
+  const int64_t stride = 2 * padded_groups(k);  // a row's scales and mins
+  thread_local std::vector<float> sc;
+  if (static_cast<int64_t>(sc.size()) < 2 * stride) sc.resize(2 * stride);
+  float out[2 * kRowsX];
+  for (int64_t r = r0; r < r1; r += 2) {
+    const int R = r + 1 < r1 ? 2 : 1;
+    for (int a = 0; a < R; ++a) f.begin(r + a, sc.data() + a * stride);
+    for (int64_t i0 = 0; i0 < m; i0 += kRowsX) {
+      const int64_t rows = std::min<int64_t>(kRowsX, m - i0);
+      if (R == 2)
+        qdot_rows<2>(f, x, i0, rows, k, r, sc.data(), stride, out);
+      else
+        qdot_rows<1>(f, x, i0, rows, k, r, sc.data(), stride, out);
+      for (int64_t j = 0; j < rows; ++j)
+        for (int a = 0; a < R; ++a) y[(i0 + j) * ld + r + a] = out[j * R + a];
+    }
+  }
+}
+
 // y (m, n) fp32 = rows of x against rows of W, two rows of W at a time.
 template <typename F>
 void qgemm(const F& f, const QuantizedRows& x, int64_t m, int64_t k, int64_t n, float* y,
            int64_t bytes_per_row) {
   // at least ~64 KiB of weights per thread: a small matrix is not worth waking the others
   const int64_t grain = std::max<int64_t>(2, (64 << 10) / bytes_per_row);
-  const int64_t stride = 2 * padded_groups(k);  // a row's scales and mins
   parallel_chunks(0, (n + 1) / 2, grain / 2, [&](int64_t p0, int64_t p1) {
-    std::vector<float> sc(2 * stride);
-    float out[2 * kRowsX];
-    for (int64_t r = 2 * p0; r < std::min(n, 2 * p1); r += 2) {
-      const int R = r + 1 < n ? 2 : 1;
-      for (int a = 0; a < R; ++a) f.begin(r + a, sc.data() + a * stride);
-      for (int64_t i0 = 0; i0 < m; i0 += kRowsX) {
-        const int64_t rows = std::min<int64_t>(kRowsX, m - i0);
-        if (R == 2)
-          qdot_rows<2>(f, x, i0, rows, k, r, sc.data(), stride, out);
-        else
-          qdot_rows<1>(f, x, i0, rows, k, r, sc.data(), stride, out);
-        for (int64_t j = 0; j < rows; ++j)
-          for (int a = 0; a < R; ++a) y[(i0 + j) * n + r + a] = out[j * R + a];
-      }
-    }
+    quantized_rows(f, x, m, k, 2 * p0, std::min(n, 2 * p1), y, n);
   });
 }
 
