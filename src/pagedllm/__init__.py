@@ -7,11 +7,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedllm.beam_search import BeamSearchParams
     from pagedllm.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 # NOTE: imported on first use, not here: the Triton models that only tokenize, detokenize or
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 # a few hundred MB in each of their stub processes) is for the engine's alone.
 _HOMES = {
     "LLM": "pagedllm.llm",
+    "BeamSearchParams": "pagedllm.beam_search",
     "CompletionOutput": "pagedllm.outputs",
     "RequestOutput": "pagedllm.outputs",
     "SamplingParams": "pagedllm.sampling_params",

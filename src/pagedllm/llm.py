@@ -10,6 +10,7 @@ from typing import TypedDict
 import torch
 from tqdm import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -111,6 +112,33 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: one output per prompt, its `beam_width` sequences best
+        first (`pagedllm.beam_search`). The prompts' beam groups run side by side, their
+        beams sharing KV blocks; a prompt that cannot run raises ValueError first."""
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                ids.append(str(next(self._ids)))
+                self.engine.add_beam_search(ids[-1], _prompt_input(prompt), params)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        results: dict[str, BeamSearchOutput] = {}
+        with tqdm(total=len(ids), desc="Beam search", disable=not use_tqdm or None) as bar:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+                for request_id, out in self.engine.take_beam_search_outputs():
+                    results[request_id] = out
+                    bar.update(1)
+        return [results[i] for i in ids]
 
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
         ids: list[str] = []

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.beam_search import BeamSearchParams as BeamSearchParams  # vLLM's home for it
 from pagedllm.convert import to_bool
 from pagedllm.structured.params import StructuredOutputsParams
 

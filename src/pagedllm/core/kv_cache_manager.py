@@ -53,6 +53,9 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found cached
         self.num_window_freed = 0  # block-table entries released by the window
         self.peak_used_blocks = 0  # the most blocks in use right after an allocation
+        # (source, destination) block copies of copy-on-write, for the next step to make
+        # before its forward pass (taken by the scheduler with `take_copies`)
+        self.pending_copies: list[tuple[int, int]] = []
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -130,14 +133,19 @@ class KVCacheManager:
             num_dropped = self.num_dropped(rid)
         else:
             num_dropped, blocks = num_out, []
+        # a beam's next token lands in a partly filled block another beam holds: copy it
+        cow = self._shared_tail(request) if blocks else None
         hits = list(cached[num_out:])
         assert all(b is not None for b in hits), "a hit the window reads is not cached"
         taken = [b for b in hits if b is not None]
         num_needed = self.num_blocks_for(num_total) - num_dropped - len(blocks) - len(taken)
+        num_copies = 1 if cow is not None else 0
         # cached blocks nobody uses sit in the free queue: touching them takes them out of it
         num_idle_hits = sum(1 for b in taken if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_idle_hits:
+        if num_needed + num_copies > self.pool.num_free_blocks - num_idle_hits:
             return False
+        if cow is not None:
+            self._copy_on_write(blocks, cow)
         self.req_blocks[rid] = blocks
         if num_dropped:
             self._num_dropped[rid] = num_dropped
@@ -151,6 +159,52 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_total // self.block_size)
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` (a beam forked from `parent`) shares all of the parent's blocks."""
+        blocks = self.req_blocks[parent.request_id]
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        for table in (self._num_dropped, self._num_hashed):
+            if parent.request_id in table:
+                table[child.request_id] = table[parent.request_id]
+
+    def _shared_tail(self, request: Request) -> KVBlock | None:
+        """The partly filled block the request's next token lands in, if another holds it."""
+        first = request.num_computed_tokens
+        if first % self.block_size == 0:
+            return None
+        blocks = self.req_blocks.get(request.request_id, [])
+        i = first // self.block_size - self.num_dropped(request.request_id)
+        if 0 <= i < len(blocks) and blocks[i].ref_cnt > 1:
+            return blocks[i]
+        return None
+
+    def _copy_on_write(self, blocks: list[KVBlock], shared: KVBlock) -> None:
+        new_blocks = self.pool.allocate(1)
+        assert new_blocks is not None
+        blocks[blocks.index(shared)] = new_blocks[0]
+        self.pending_copies.append((shared.block_id, new_blocks[0].block_id))
+        self.pool.free([shared])
+
+    def num_blocks_needed(self, plan: Sequence[tuple[Request, int]]) -> int:
+        """Free blocks that `allocate_slots` of each running (request, new tokens) would take,
+        in this order: a shared partly filled block is copied by all but its last writer."""
+        need = 0
+        writers: Counter[int] = Counter()
+        for request, num_new in plan:
+            rid = request.request_id
+            held = self.num_dropped(rid) + len(self.req_blocks.get(rid, ()))
+            need += max(0, self.num_blocks_for(request.num_computed_tokens + num_new) - held)
+            if num_new and (shared := self._shared_tail(request)) is not None:
+                writers[shared.block_id] += 1
+        for block_id, n in writers.items():
+            need += min(n, self.pool.blocks[block_id].ref_cnt - 1)
+        return need
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _drop(self, request_id: str, blocks: list[KVBlock], num_out: int) -> None:
         """Free a running request's leading blocks up to table entry `num_out`; its table

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.beam_group import BeamGroup, BeamGroups, resume_group, schedule_group
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
@@ -51,6 +52,8 @@ class SchedulerOutput:
     # requests scheduled for the first time, and those resumed after a preemption
     admitted: list[Request] = field(default_factory=list)
     resumed_ids: list[str] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the forward pass (beams' copy-on-write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +94,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # beam searches: a group's beams are side by side in `running` / `waiting`
+        self.beams = BeamGroups(self.kv)
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
         # finished since the engine last took them (for its metrics)
@@ -105,7 +110,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def add_beam_group(self, group: BeamGroup) -> None:
+        width, cfg = group.params.beam_width, self.config
+        if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            raise ValueError(f"beam_width {width} exceeds max_num_seqs or max_num_batched_tokens")
+        self.check_fits(len(group.prompt_token_ids), group.params.max_tokens, width)
+        self.beams.add(group)
+        self.add_request(group.requests[0])
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None, num_seqs: int = 1) -> None:
         """Reject what could never be served: empty prompts, prompts or generations beyond the
         context length, and requests that would not fit the whole KV pool on their own."""
         max_len = self.config.max_model_len
@@ -124,10 +137,12 @@ class Scheduler:
         # the last sampled token is never fed back: its KV is never written; with a window a
         # request holds at most the blocks of one chunk and the window before it
         total = min(max_len, num_prompt_tokens + (max_tokens or max_len)) - 1
-        needed = self.kv.max_blocks_held(total, self.config.max_num_batched_tokens)
+        # a beam group's sequences may have to be recomputed side by side, unshared
+        needed = num_seqs * self.kv.max_blocks_held(total, self.config.max_num_batched_tokens)
         if needed > self.kv.pool.num_blocks:
+            what = "a request" if num_seqs == 1 else f"{num_seqs} beams"
             raise ValueError(
-                f"a request of {total + 1} tokens needs {needed} KV blocks; the pool has "
+                f"{what} of {total + 1} tokens needs {needed} KV blocks; the pool has "
                 f"{self.kv.pool.num_blocks}"
             )
 
@@ -158,27 +173,51 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.beams.group_of(request.request_id) is not None:
+                unit = self.beams.unit(request)
+                budget, scheduled = schedule_group(self, out, unit, budget)
+                if not scheduled:
+                    return budget
+                i += len(unit)
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
-                if victim is request:
+                if request in self._preempt_newest(out):
                     return budget
             self._schedule(out, request, num_new)
             budget -= num_new
             i += 1
         return budget
 
+    def _preempt_newest(self, out: SchedulerOutput) -> list[Request]:
+        """Preempt the newest running request, or the newest beam group as a whole."""
+        unit = self.beams.unit(self.running[-1])
+        del self.running[-len(unit) :]
+        for victim in unit:
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+        self.waiting.extendleft(reversed(unit))
+        if (group := self.beams.group_of(unit[0].request_id)) is not None:
+            self.beams.reset(group)
+        return unit
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) + self.beams.num_seqs(request) > self.config.max_num_seqs:
+                return
+            if len(unit := self.beams.unit(request)) > 1:  # a preempted beam group
+                if not resume_group(self, out, unit, budget):
+                    return
+                budget -= sum(s.num_tokens for s in out.scheduled[-len(unit) :])
+                continue
             # prompt logprobs need every prompt position computed: no prefix hits
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.get_computed_blocks(request)
@@ -221,29 +260,58 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        """Free a request's blocks; the caller puts it back at the front of the queue."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Append sampled tokens, finish what must stop; return the requests that changed."""
         changed = []
+        ready: list[BeamGroup] = []
         for s in out.scheduled:
             request = self.requests.get(s.request_id)
             # aborted (or preempted and rescheduled) since the step was scheduled
             if request is None or not s.sample or request.status != RequestStatus.RUNNING:
                 continue
             token_id = result.sampled_token_ids[s.request_id]
+            if (group := self.beams.group_of(s.request_id)) is not None:
+                group.record(s.request_id, token_id, result.logprobs.get(s.request_id))
+                if group.ready and group not in ready:
+                    ready.append(group)
+                continue
             request.append_output_token(token_id)
             status = self._stop_status(request, token_id)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
             changed.append(request)
+        for group in ready:
+            self._advance(group)
         return changed
+
+    def _advance(self, group: BeamGroup) -> None:
+        """A beam step: the group's old beams give way to their children, in place."""
+        at = self.running.index(group.beams[0].request)
+        old, new = self.beams.advance(group)
+        assert self.running[at : at + len(old)] == old, "a group's beams are not side by side"
+        self.running[at : at + len(old)] = new
+        for request in old:
+            del self.requests[request.request_id]
+            self._finished_ids.append(request.request_id)
+        for request in new:
+            self.requests[request.request_id] = request
+
+    def abort_beam_group(self, group_id: str) -> bool:
+        """Drop a beam search wherever it is and free its blocks at once."""
+        if (group := self.beams.groups.get(group_id)) is not None:
+            self.finish_requests(
+                [r.request_id for r in group.requests], RequestStatus.FINISHED_ABORTED
+            )
+            self.beams.abort(group)
+        return group is not None
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -289,18 +357,19 @@ class Scheduler:
         cache is dropped: blocks registered for the step may hold partial or no KV. Returns
         the requests rolled back."""
         self.kv.pool.reset_prefix_cache()
-        rolled = [
-            r
-            for s in out.scheduled
-            if (r := self.requests.get(s.request_id)) is not None
-            and r.status == RequestStatus.RUNNING
-        ]
+        rolled: list[Request] = []  # a beam group as a whole, its beams side by side
+        for s in out.scheduled:
+            r = self.requests.get(s.request_id)
+            if r is not None and r.status == RequestStatus.RUNNING and r not in rolled:
+                rolled += self.beams.unit(r)
         for request in reversed(rolled):
             self.running.remove(request)
             self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             self.waiting.appendleft(request)
+            if (group := self.beams.group_of(request.request_id)) is not None:
+                self.beams.reset(group)
         return rolled
 
     def check_integrity(self) -> None:

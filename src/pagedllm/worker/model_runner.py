@@ -110,7 +110,7 @@ class ModelRunner(ShardExecutor):
         # the grammars' next-token masks are filled on their own thread during the forward pass
         fill = self._fill_masks(sampled)
         try:
-            logits, spans = self._forward(batch)
+            logits, spans = self._forward(batch, sched.block_copies)
         finally:  # the mask thread is done with this step's requests before the step ends
             masks = None if fill is None else fill.result()
         out = RunnerOutput()
@@ -129,11 +129,12 @@ class ModelRunner(ShardExecutor):
         return out
 
     def _forward(
-        self, batch: list[ScheduledRequest]
+        self, batch: list[ScheduledRequest], block_copies: list[tuple[int, int]]
     ) -> tuple[torch.Tensor, list[_PromptLogprobSpan]]:
         """The logits of the sampled rows, then of the prompt positions scored for prompt
-        log-probs (the spans)."""
+        log-probs (the spans). The KV blocks of `block_copies` are copied first."""
         plan = self.plan(batch)
+        plan.block_copies = block_copies
         spans = _prompt_logprob_spans(batch, plan.query_start_loc)
         if spans:  # prompt positions' logits too: no CUDA graph
             plan.logits_indices += [
