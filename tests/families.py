@@ -144,8 +144,34 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             initializer_range=0.1,
         ),
     ),
+    # multi-head latent attention (queries through q_lora, half-split rope rows, a cache of
+    # latents), DeepSeek's MoE: sigmoid scores, the best group of two, a shared expert,
+    # routed_scaling_factor, the first layer dense
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+            rope_interleave=False,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 DENSE = tuple(name for name in FAMILIES if name not in MOE)
 
 # the same family with the features its config switches off (what they change must be seen in

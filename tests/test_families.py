@@ -17,6 +17,7 @@ from conftest import TINY, hf_greedy, hf_model, random_prompts
 from families import FAMILIES, FEATURES_OFF, build_family_model, make_family_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
+from pagedllm.mla_config import MlaConfig
 from pagedllm.moe_config import MoeConfig
 
 MAX_NEW = 16
@@ -108,6 +109,12 @@ def test_config_reads_the_family(name: str, family_checkpoints: dict[str, Path])
             layer_windows=(12, None),
             qkv_bias=True,
             o_bias=True,
+        ),
+        "deepseek_v3": dict(
+            mla=MlaConfig(32, 16, 8, 24, q_lora_rank=32, rope_interleave=False),
+            head_dim=8,
+            layer_moe=(False, True),
+            softmax_scale=24**-0.5,
         ),
     }[name]
     assert {k: getattr(cfg, k) for k in expected} == expected

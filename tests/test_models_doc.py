@@ -71,8 +71,12 @@ def _features(cfg: ModelConfig) -> str:
         out.append("partial rotary")
     if cfg.rope.type != "default":
         out.append(f"{cfg.rope.type} rope scaling")
-    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size and cfg.mla is None:
         out.append("head_dim ≠ hidden / heads")
+    if cfg.mla is not None:
+        q = "q through a low-rank projection" if cfg.mla.q_lora_rank else "plain q_proj"
+        rope = "" if cfg.mla.rope_interleave else ", half-split rope rows"
+        out.append(f"multi-head latent attention ({q}, a paged cache of latents{rope})")
     if cfg.architecture == "Phi3ForCausalLM":
         out.append("fused q/k/v and gate/up in the checkpoint")
     if cfg.attn_sinks:
@@ -87,6 +91,8 @@ def _moe_features(cfg: ModelConfig) -> list[str]:
     routing = {
         "softmax": "softmax top-k" + (", renormalised" if moe.norm_topk_prob else ""),
         "topk_softmax": "softmax over the top-k logits",
+        "sigmoid_grouped": f"sigmoid scores with a selection bias, the best {moe.topk_group} "
+        f"of {moe.n_group} groups, renormalised, × {moe.routed_scaling}",
     }[moe.router]
     out = [f"MoE: {moe.num_experts} experts, top-{moe.top_k} ({routing})"]
     if moe.router_bias or moe.expert_bias:
@@ -94,7 +100,7 @@ def _moe_features(cfg: ModelConfig) -> list[str]:
     if moe.activation == "swiglu_oai":
         out.append("clamped SwiGLU experts")
     if moe.shared_intermediate_size:
-        out.append("gated shared expert")
+        out.append("gated shared expert" if moe.shared_gate else "shared expert")
     if not all(cfg.layer_moe):
         out.append("dense MLP layers among the sparse ones")
     if moe.oai_layout:

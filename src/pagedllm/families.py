@@ -41,10 +41,14 @@ class Family:
     local_rope: bool = False
     # layers without rotary on the `no_rope_layers` pattern (SmolLM3: 1 = rope, 0 = NoPE)
     nope_layers: bool = False
-    # mixture of experts (moe_config.py): "mixtral", "qwen_moe" or "gpt_oss" routing and layout
+    # mixture of experts (moe_config.py): "mixtral", "qwen_moe", "gpt_oss" or "deepseek"
+    # routing and layout
     moe: str | None = None
     # a learned per-head logit in each attention softmax (gpt-oss)
     attn_sinks: bool = False
+    # multi-head latent attention (mla_config.py, model/mla.py): the paged cache holds one
+    # compressed latent and one rotated key per token (DeepSeek-V2/V3)
+    mla: bool = False
 
 
 # HF architecture -> its features. Fused q/k/v and gate/up checkpoints (Phi-3) need no
@@ -78,6 +82,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, window_flag="use_sliding_window", moe="qwen_moe"),
     "Qwen3MoeForCausalLM": Family(qk_norm="head", window_flag="use_sliding_window", moe="qwen_moe"),
     "GptOssForCausalLM": Family(moe="gpt_oss", attn_sinks=True),
+    "DeepseekV3ForCausalLM": Family(moe="deepseek", mla=True),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)

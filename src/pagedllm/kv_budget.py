@@ -40,6 +40,8 @@ class ModelSizes(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    def kv_values_per_token(self, world: int = 1) -> int: ...
+
 
 # per rank, for NCCL's communicator buffers when the model is split over GPUs
 NCCL_RESERVE = 512 << 20
@@ -82,8 +84,9 @@ def num_kv_blocks(
     per_seq = -(-model_len // block_size)
     if sliding_window is not None:
         per_seq = min(per_seq, -(-(sliding_window - 1 + batched_tokens) // block_size) + 1)
-    kv_heads = max(1, model.num_kv_heads // world)  # a rank's (replicated past the KV heads)
-    bytes_per_block = 2 * model.num_layers * block_size * kv_heads * model.head_dim * dtype.itemsize
+    # a rank's KV heads (replicated past them), or latent attention's one row
+    values = model.kv_values_per_token(world)
+    bytes_per_block = model.num_layers * block_size * values * dtype.itemsize
     return max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from pagedllm.errors import ConfigError
 from pagedllm.families import ACTIVATIONS, FAMILIES, SUPPORTED_ARCHITECTURES, Family
+from pagedllm.mla_config import MlaConfig
+from pagedllm.mla_config import from_hf as mla_from_hf
 from pagedllm.moe_config import MoeConfig
 from pagedllm.moe_config import from_hf as moe_from_hf
 
@@ -149,6 +151,9 @@ class ModelConfig:
     # mixture of experts: its settings, and per layer whether it has them (else the dense MLP)
     moe: MoeConfig | None = None
     layer_moe: tuple[bool, ...] = ()
+    # multi-head latent attention in place of q/k/v (then head_dim is its rotated dims,
+    # qk_rope_head_dim, as transformers sets it)
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -175,6 +180,17 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
+    def kv_values_per_token(self, world: int = 1) -> int:
+        """Values a layer caches per token on a rank: MLA's latent and rotated key (the same on
+        every rank), else the rank's KV heads' keys and values."""
+        if self.mla is not None:
+            return self.mla.cache_dim
+        return 2 * max(1, self.num_kv_heads // world) * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_size: int, world: int = 1) -> int:
+        """KV-cache bytes per token of a rank, over all layers."""
+        return self.num_layers * self.kv_values_per_token(world) * dtype_size
+
     @property
     def sliding_window(self) -> int | None:
         """The window when every layer has the same one, else None (no layer, or a mix)."""
@@ -189,6 +205,8 @@ class ModelConfig:
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += h if self.o_bias else 0
         attn += {"head": 2 * hd, "proj": q + kv}.get(self.qk_norm or "", 0)
+        if self.mla is not None:
+            attn = self.mla.num_parameters(h, self.num_heads, self.o_bias)
         attn += self.num_heads if self.attn_sinks else 0
         dense = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         norms = {"pre": 2, "sandwich": 4, "post": 2}[self.norms]
@@ -251,6 +269,9 @@ class ModelConfig:
         moe, layer_moe = None, (False,) * num_layers
         if family.moe is not None:
             moe, layer_moe = moe_from_hf(hf, family.moe, num_layers, ACTIVATIONS[act])
+        mla = mla_from_hf(hf) if family.mla else None
+        if mla is not None:  # transformers' head_dim: the rotated dims
+            head_dim = mla.qk_rope_head_dim
         return ModelConfig(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -278,13 +299,14 @@ class ModelConfig:
             activation=ACTIVATIONS[act],
             embed_scale=_embed_scale(hf, family),
             residual_scale=float(hf.get("residual_multiplier", 1.0)) if family.multipliers else 1.0,
-            attn_scale=_attn_scale(hf, family),
+            attn_scale=_attn_scale(hf, family) if mla is None else mla.softmax_scale(ropes[0]),
             attn_softcap=_positive(hf.get("attn_logit_softcapping")),
             logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)) if family.multipliers else 1.0,
             final_softcap=_positive(hf.get("final_logit_softcapping")),
             attn_sinks=family.attn_sinks,
             moe=moe,
             layer_moe=layer_moe,
+            mla=mla,
         )
 
 

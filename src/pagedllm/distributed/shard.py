@@ -11,6 +11,10 @@ vLLM does it):
 
 KV heads split across ranks when `world` divides them; with fewer KV heads than ranks, each
 KV head is replicated on `world / num_kv_heads` ranks (each rank then holds one).
+
+Latent attention (model/mla.py) splits its heads: q_b_proj (or q_proj) and kv_b_proj by rows
+per head, o_proj by columns; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so
+every rank computes and caches the same latent.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ def _why_not(cfg: ModelConfig, world: int) -> str | None:
     return None
 
 
+def _mla_widths(cfg: ModelConfig) -> tuple[int, int, int] | None:
+    mla = cfg.mla
+    if mla is None:
+        return None
+    return mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim, mla.v_head_dim
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """What rank `rank` of `world` holds (every size in rows of the HF tensors)."""
@@ -59,6 +70,9 @@ class ShardPlan:
     vocab_rows: int  # local embedding / lm_head rows (the padded vocabulary / world)
     expert_intermediate: int = 0  # local width of each expert (every expert is split)
     shared_intermediate: int = 0  # local width of the shared expert
+    # latent attention: per head, the rows of q_b_proj / q_proj and of kv_b_proj, and
+    # o_proj's input columns (None: no latent attention)
+    mla_widths: tuple[int, int, int] | None = None
 
     @staticmethod
     def create(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
@@ -85,7 +99,15 @@ class ShardPlan:
             vocab_rows=-(-cfg.vocab_size // world),
             expert_intermediate=cfg.moe.intermediate_size // world if cfg.moe else 0,
             shared_intermediate=cfg.moe.shared_intermediate_size // world if cfg.moe else 0,
+            mla_widths=_mla_widths(cfg),
         )
+
+    def _mla_slice(self, module: str, kind: str) -> tuple[int, int, int] | None:
+        q, kv, v = self.mla_widths or (0, 0, 0)
+        dim, width = {"q_b_proj": (0, q), "q_proj": (0, q), "kv_b_proj": (0, kv)}.get(
+            module, (1, v) if module == "o_proj" and kind == "weight" else (0, 0)
+        )
+        return (dim, self.rank * self.num_heads * width, self.num_heads * width) if width else None
 
     @property
     def vocab_start(self) -> int:
@@ -116,6 +138,8 @@ class ShardPlan:
         splits with its heads."""
         parts = ours.split(".")
         module, kind = parts[-2], parts[-1]
+        if self.mla_widths is not None and (per_head := self._mla_slice(module, kind)):
+            return per_head
         if module == "q_norm" and qk_norm == "proj":
             shard = 0
         elif module == "k_norm" and qk_norm == "proj":

@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
+from pagedllm.core.beam_group import BeamGroup
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
 from pagedllm.engine.faults import (
     EngineDeadError,
@@ -55,6 +57,9 @@ class EngineStats:
     # the most blocks in use at once (both since the engine started)
     kv_blocks_freed_by_window: int = 0
     kv_blocks_peak: int = 0
+    # KV-cache bytes each token holds on a rank, over all layers (latent attention: its latent
+    # and rotated key, not per-head keys and values)
+    kv_bytes_per_token: int = 0
 
 
 class LLMEngine:
@@ -142,6 +147,25 @@ class LLMEngine:
                 self.tracer.event("queued", child.request_id, prompt_tokens=len(token_ids))
         self.output_processor.add_request(request_id, text, children)
 
+    def add_beam_search(
+        self, request_id: str, prompt: str | list[int], params: BeamSearchParams
+    ) -> None:
+        """Queue a beam search (`core.beam_group`); its live beams after each step:
+        `scheduler.beams.groups[request_id].live_sequences()`."""
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        mcfg, now = self.config.model, time.monotonic()
+        group = BeamGroup.create(request_id, ids, params, mcfg, self.max_logprobs, now)
+        self.scheduler.add_beam_group(group)
+
+    def take_beam_search_outputs(self) -> list[tuple[str, BeamSearchOutput]]:
+        """The beam searches finished since the last call (request id, output), each text the
+        whole sequence with special tokens (vLLM's `tokenizer.decode(beam.tokens)`)."""
+        return self.scheduler.beams.take_outputs(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+        )
+
     def grammar_compiler(self) -> GrammarCompiler:
         """The grammar compiler, made on first use: llguidance reads the tokenizer's
         vocabulary then (~0.4 s for 49k tokens). A server calls it at start-up; the offline
@@ -161,8 +185,10 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request (all its samples) and free its blocks at once."""
+        """Cancel a request (all its samples, or a beam search's beams) and free its blocks
+        at once."""
         if not self.output_processor.has(request_id):
+            self.scheduler.abort_beam_group(request_id)
             return None
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.abort(child_id)
@@ -365,6 +391,9 @@ class LLMEngine:
             finished=tuple(sorted(m.finished.items())) if m else (),
             kv_blocks_freed_by_window=kv.num_window_freed,
             kv_blocks_peak=kv.peak_used_blocks,
+            kv_bytes_per_token=self.config.model.kv_bytes_per_token(
+                self.config.dtype.itemsize, self.config.tensor_parallel_size
+            ),
         )
 
     def check_integrity(self) -> None:

@@ -30,6 +30,7 @@ from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 from pagedllm.model import decoder_kernel
+from pagedllm.model.mla import MlaAttention, MlaWeights, mla_forward, mla_weights
 from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weights
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ NORMS = {
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn: Attention | MlaAttention = (
+            Attention(cfg) if cfg.mla is None else MlaAttention(cfg)
+        )
         moe = cfg.moe if cfg.layer_moe and cfg.layer_moe[index] else None
         self.mlp: MLP | MoeBlock = MLP(cfg) if moe is None else MoeBlock(cfg, moe)
         for name in NORMS[cfg.norms]:
@@ -96,7 +99,7 @@ class DecoderLayer(nn.Module):
 
 class LayerWeights(NamedTuple):
     ln1: torch.Tensor | None  # before attention
-    qkv_w: Weight
+    qkv_w: Weight | None  # None: latent attention (mla)
     qkv_b: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -112,6 +115,7 @@ class LayerWeights(NamedTuple):
     attn: AttnLayer  # scale, window, soft-cap, sinks
     rope: int | None  # index of its rotation in ForwardContext.rotary; None: NoPE
     moe: MoeWeights | None = None  # a mixture of experts in place of the MLP
+    mla: MlaWeights | None = None  # multi-head latent attention in place of q/k/v
 
 
 class ForwardContext(NamedTuple):
@@ -175,8 +179,12 @@ class CausalLM(nn.Module):
         w, cfg = self.weight, self.config
         self.layer_weights = []
         for i, l in enumerate(self.decoder_layers()):  # noqa: E741
-            attn, mlp = l.self_attn, l.mlp
+            # an MlaAttention where the model has latent attention (read by mla_weights only)
+            attn, mlp = cast(Attention, l.self_attn), l.mlp
             qk = cfg.qk_norm is not None
+            mla = None
+            if cfg.mla is not None:
+                mla = mla_weights(cast(MlaAttention, attn), cfg.mla, w, f"layers.{i}.self_attn")
             dense = isinstance(mlp, MLP)
             moe = None
             if isinstance(mlp, MoeBlock) and cfg.moe is not None:
@@ -184,8 +192,8 @@ class CausalLM(nn.Module):
             self.layer_weights.append(
                 LayerWeights(
                     l.norm("input_layernorm"),
-                    w(f"layers.{i}.self_attn.qkv_proj.weight"),
-                    attn.qkv_proj.bias,
+                    None if mla else w(f"layers.{i}.self_attn.qkv_proj.weight"),
+                    None if mla else attn.qkv_proj.bias,
                     attn.q_norm.weight if qk else None,
                     attn.k_norm.weight if qk else None,
                     w(f"layers.{i}.self_attn.o_proj.weight"),
@@ -205,11 +213,13 @@ class CausalLM(nn.Module):
                     ),
                     cfg.layer_ropes[i],
                     moe,
+                    mla,
                 )
             )
         embed = w("embed_tokens.weight")
         self._io = (embed, embed if cfg.tie_word_embeddings else w("lm_head.weight"))
-        self._kernel_weights, self._kernel_rows = decoder_kernel.flatten(self)
+        if cfg.mla is None:  # csrc/decoder.cpp has no latent attention
+            self._kernel_weights, self._kernel_rows = decoder_kernel.flatten(self)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -264,7 +274,13 @@ class CausalLM(nn.Module):
         self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         cfg = self.config
+        if w.mla is not None and cfg.mla is not None:  # over the torch backend's metadata
+            rotary = None if w.rope is None else ctx.rotary[w.rope]
+            eps, scale, m = cfg.rms_norm_eps, w.attn.scale, ctx.attn_metadata
+            o = mla_forward(x, w.mla, cfg.mla, eps, rotary, kv_cache, m, scale)
+            return _row_parallel(o, w.o_w, w.o_b, self.tp)
         n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        assert w.qkv_w is not None
         # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
         qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
         if w.q_norm is not None and w.k_norm is not None:

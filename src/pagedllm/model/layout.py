@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -15,7 +15,8 @@ from pagedllm.model import moe_layout
 from pagedllm.model.rope import interleave_rows
 
 if TYPE_CHECKING:
-    from pagedllm.model.decoder import CausalLM
+    from pagedllm.model.decoder import Attention, CausalLM
+    from pagedllm.model.mla import MlaAttention
 
 # HF name -> (our name, shard index within a fused tensor or None)
 _FUSED = {
@@ -41,6 +42,8 @@ def target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     if m:
         layer, block, proj, kind = m.groups()
         ours, shard = _FUSED.get(proj, (proj, None))
+        if cfg.mla is not None and block == "self_attn":  # MLA's q_proj stays apart (mla.py)
+            ours, shard = proj, None
         return f"layers.{layer}.{block}.{ours}.{kind}", shard
     m = _NORM.match(name)
     if m and cfg.norms == "pre" and m.group(2) == "post_attention_layernorm":
@@ -97,7 +100,10 @@ def adapt(model: CausalLM, cfg: ModelConfig, from_gguf: bool) -> None:
     projections that feed the stream. From a GGUF file the first two are done already:
     by llama.cpp's converter, or by model/gguf.py for what the converter leaves half-split."""
     if not from_gguf:
-        _interleave_rotary_rows(model, cfg)
+        if cfg.mla is None:
+            _interleave_rotary_rows(model, cfg)
+        elif not cfg.mla.rope_interleave:  # latent attention's rotated rows (model/mla.py)
+            _interleave_mla_rope_rows(model, cfg)
         if cfg.unit_offset_norm:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -127,7 +133,7 @@ def _interleave_rotary_rows(model: CausalLM, cfg: ModelConfig) -> None:
     h, kvh, hd, rot = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
     q, k = h * hd, kvh * hd
     for layer in model.decoder_layers():
-        attn = layer.self_attn
+        attn = cast("Attention", layer.self_attn)
         for t in (attn.qkv_proj.weight, attn.qkv_proj.bias):
             if t is None:
                 continue
@@ -137,3 +143,22 @@ def _interleave_rotary_rows(model: CausalLM, cfg: ModelConfig) -> None:
             per_head = cfg.qk_norm == "head"
             for norm, heads in ((attn.q_norm.weight, h), (attn.k_norm.weight, kvh)):
                 norm.copy_(interleave_rows(norm, 1 if per_head else heads, hd, rot))
+
+
+def _interleave_mla_rope_rows(model: CausalLM, cfg: ModelConfig) -> None:
+    """Latent attention's rotated rows, half-split in the checkpoint (rope_interleave false):
+    the last qk_rope_head_dim rows of each query head, and of kv_a_proj_with_mqa (the shared
+    key after the latent), to the interleaved order."""
+    mla, h = cfg.mla, cfg.num_heads
+    assert mla is not None
+    nope, rope = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    for layer in model.decoder_layers():
+        attn = cast("MlaAttention", layer.self_attn)
+        q = attn.q_proj if mla.q_lora_rank is None else attn.q_b_proj
+        heads = q.weight.view(h, mla.qk_head_dim, -1)
+        rows = heads[:, nope:].reshape(h * rope, -1)
+        heads[:, nope:] = interleave_rows(rows, h, rope).view(h, rope, -1)
+        kv_a = attn.kv_a_proj_with_mqa
+        for t in (kv_a.weight, kv_a.bias):
+            if t is not None:
+                t[mla.kv_lora_rank :] = interleave_rows(t[mla.kv_lora_rank :], 1, rope)

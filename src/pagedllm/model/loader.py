@@ -253,6 +253,15 @@ _DENSE_MLP = ("mlp.gate_up_proj", "mlp.down_proj")
 _MOE_MLP = ("mlp.shared_gate_up", "mlp.shared_down")  # the experts' are stacked
 
 
+def _attention_linears(cfg: ModelConfig) -> tuple[str, ...]:
+    """Latent attention's are all but kv_b_proj, whose per-head blocks both ways of attending
+    multiply dense (model/mla.py)."""
+    if cfg.mla is None:
+        return ("self_attn.qkv_proj", "self_attn.o_proj")
+    q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+    return tuple(f"self_attn.{p}" for p in (*q, "kv_a_proj_with_mqa", "o_proj"))
+
+
 @torch.no_grad()
 def _quantize(model: CausalLM, cfg: ModelConfig, method: str) -> None:
     """The decoder layers' linear weights in `method`; the embeddings (and an untied lm_head)
@@ -261,7 +270,7 @@ def _quantize(model: CausalLM, cfg: ModelConfig, method: str) -> None:
     for i in range(cfg.num_layers):
         sparse = bool(cfg.layer_moe) and cfg.layer_moe[i]
         mlp = _MOE_MLP[: 2 if cfg.moe and cfg.moe.shared_intermediate_size else 0]
-        for proj in ("self_attn.qkv_proj", "self_attn.o_proj", *(mlp if sparse else _DENSE_MLP)):
+        for proj in (*_attention_linears(cfg), *(mlp if sparse else _DENSE_MLP)):
             names.append(f"layers.{i}.{proj}.weight")
         if sparse:
             experts += [f"layers.{i}.mlp.{m}.weight" for m in moe_layout.EXPERT_MODULES]

@@ -8,7 +8,7 @@ of a tensor-parallel engine run a plain `ShardExecutor` in worker processes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,8 @@ class StepPlan:
     logits_indices: list[int]
     # logits of prompt positions are wanted too (prompt log-probs): no CUDA graph
     eager: bool = False
+    # (source, destination) KV blocks to copy first, in every layer (beams' copy-on-write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -65,7 +67,9 @@ class ShardExecutor:
             plan,
             tp,
         )
-        self.backend = create_attention_backend(config.attention_backend, str(self.device))
+        # latent attention (model/mla.py) runs in torch over the reference backend's metadata
+        backend = config.attention_backend if mcfg.mla is None else "torch"
+        self.backend = create_attention_backend(backend, str(self.device))
         self.block_size = config.cache.block_size
         num_kv_blocks = config.cache.num_kv_blocks
         assert num_kv_blocks is not None
@@ -73,6 +77,8 @@ class ShardExecutor:
         shape = self.backend.kv_cache_shape(
             num_kv_blocks, self.block_size, local.num_kv_heads, local.head_dim
         )
+        if mcfg.mla is not None:  # per token: the latent and the rotated key, every rank
+            shape = (num_kv_blocks, self.block_size, mcfg.mla.cache_dim)
         if self.device.type == "cpu":  # on huge pages, as the weights
             self.kv_caches = arena.zeros(shape, config.dtype, mcfg.num_layers)
         else:
@@ -120,6 +126,8 @@ class ShardExecutor:
         """The logits of `plan.logits_indices` (on rank 0; other ranks' are not the whole
         vocabulary)."""
         use_device(self.device)  # the engine's step thread starts on cuda:0
+        if plan.block_copies:
+            copy_blocks(self.kv_caches, plan.block_copies)
         step = self.inputs(plan)
         if self.graphs is not None and not plan.eager and self.graphs.can_run(step):
             return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
@@ -130,6 +138,15 @@ class ShardExecutor:
     def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each token's rotation by each rope of the model, (N, 1, head_dim / 2) complex."""
         return tuple(table[positions].unsqueeze(1) for table in self.rotary)
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks in every layer (each layer's cache is indexed by block first)."""
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+    for cache in kv_caches:
+        cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def use_device(device: torch.device) -> None:
