@@ -3,7 +3,7 @@ H100/H200, sm_100 B200) with no GPU: the launches the runtime makes, recorded th
 project's own launchers over the model shapes we claim (pagedllm.layers.kernel_compile), then
 lowered to cubin by the `triton` wheel's own ptxas, whose report gives registers and spills.
 
-Runs `scripts/kernel_report.py` once, in a process without the interpreter (169 launches per
+Runs `scripts/kernel_report.py` once, in a process without the interpreter (187 launches per
 architecture, about 550 CPU-seconds: 5 min on two idle cores, much longer on busy ones);
 docs/gpu.md's resource table must be the one it prints."""
 
@@ -122,6 +122,26 @@ def test_moe_tiles_and_dtypes_we_claim_are_covered(report: dict[str, Any]) -> No
     labels = {w for r in gate_up for w in r["workloads"]}
     models = {w.split()[1] for w in labels if w.startswith("moe ")}
     assert models == {"Mixtral-8x7B", "Qwen3-30B-A3B", "gpt-oss-20b"}
+
+
+def test_gated_delta_shapes_and_dtypes_we_claim_are_covered(report: dict[str, Any]) -> None:
+    """The Gated-DeltaNet kernels (layers/gdn_workloads.py): the conv's prefill (16-token) and
+    decode (1-token) tiles and its state update, the recurrent delta rule at 1, 2 and 3 value
+    heads per key head, in every dtype, over the Qwen3.5 / Qwen3-Next shapes."""
+    rows = {k: [r for r in report["rows"] if r["kernel"] == k] for k in GDN_KERNELS}
+    for dtype in ("fp16", "bf16", "fp32"):
+        conv = rows["_conv1d_kernel"]
+        assert {r["constexprs"]["BLOCK_T"] for r in conv if r["dtype"] == dtype} == {1, 16}
+        assert any(r["dtype"] == dtype for r in rows["_conv_state_kernel"]), dtype
+        groups = {
+            r["constexprs"]["GROUP"] for r in rows["_recurrent_kernel"] if r["dtype"] == dtype
+        }
+        assert groups == {1, 2, 3}, dtype
+    labels = {w for r in rows["_recurrent_kernel"] for w in r["workloads"]}
+    assert {w.split()[1] for w in labels} == {"Qwen3.5-0.8B", "Qwen3-Next-80B", "Qwen3.5-27B"}
+
+
+GDN_KERNELS = ("_conv1d_kernel", "_conv_state_kernel", "_recurrent_kernel")
 
 
 def test_shared_memory_fits_and_blocks_are_resident(report: dict[str, Any]) -> None:

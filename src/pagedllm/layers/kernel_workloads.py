@@ -212,3 +212,6 @@ def workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
     from pagedllm.layers.moe_workloads import moe_workloads  # the fused-MoE kernels
 
     yield from moe_workloads(device)
+    from pagedllm.layers.gdn_workloads import gdn_workloads  # Gated-DeltaNet (Qwen3.5)
+
+    yield from gdn_workloads(device)
