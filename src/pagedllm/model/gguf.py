@@ -103,6 +103,11 @@ def read_model(model_dir: Path, cfg: ModelConfig) -> Iterator[Loaded]:
     mapped, not read whole): dense ones as fp32 tensors, quantized ones as QuantizedWeight;
     fused ones (Phi-3) as their shards. `cfg`: the whole model's (not a tensor-parallel
     rank's)."""
+    if cfg.moe is not None or cfg.mla is not None:
+        raise ConfigError(
+            f"GGUF files of {cfg.architecture} (experts or latent attention) are not read yet: "
+            "load its safetensors, quantized at load with quantization 'int8' or 'int4'"
+        )
     try:
         import gguf
     except ImportError as e:
