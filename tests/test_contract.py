@@ -150,7 +150,7 @@ def test_tensorrt_llm_names(server: TritonServer, llm: LLM) -> None:
     (b,) = generate(server, {**sampled, "seed": seed, "length_penalty": 2.0})
     assert a["output_token_ids"].tolist() == b["output_token_ids"].tolist()
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"beam_width": 2}, "beam_width must be 1"),
+        ({"beam_width": 11}, r"beam_width must be in \[1, 10\]"),
         ({"return_context_logits": True}, "return_context_logits is not supported"),
         ({"min_tokens": 2, "min_length": 3}, "min_tokens and min_length disagree"),
         ({"end_id": -2}, "end_id must be a token id or -1"),

@@ -4,12 +4,14 @@ errors, aborts and shutdown — nothing lost, nothing leaked."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import TINY, random_prompts
 from pagedllm import LLM, SamplingParams
+from pagedllm.beam_search import BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.service import EngineService
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
@@ -117,3 +119,36 @@ def test_shutdown_drains_or_aborts(llm: LLM, drain: bool) -> None:
     assert llm.engine.stats().kv_blocks_used == 0
     with pytest.raises(RuntimeError, match="shutting down"):
         service.submit("late", [5], delta(1), cs[0].on_output, cs[0].on_error)
+
+
+def test_beam_search_streams_every_step_and_aborts(llm: LLM) -> None:
+    """Beam searches report no outputs from step(): the service polls their groups."""
+    prompt = [5, 6, 7, 8]
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    (expected,) = llm.beam_search([{"prompt_token_ids": prompt}], params)
+    service = EngineService(llm.engine).start()
+    updates: list[tuple[list[BeamSearchSequence], bool]] = []
+    done = threading.Event()
+
+    def on_beams(seqs: list[BeamSearchSequence], finished: bool) -> None:
+        updates.append((seqs, finished))
+        if finished:
+            done.set()
+
+    service.submit_beam_search("b", prompt, params, on_beams, lambda e: done.set())
+    assert done.wait(60)
+    assert [len(s[0].tokens) - len(prompt) for s, _ in updates] == [1, 2, 3, 4, 5]
+    assert [f for _, f in updates] == [False] * 4 + [True]
+    assert [s.tokens for s in updates[-1][0]] == [s.tokens for s in expected.sequences]
+    done.clear()
+    long = BeamSearchParams(beam_width=2, max_tokens=400, ignore_eos=True)
+    updates.clear()
+    service.submit_beam_search("long", prompt, long, on_beams, lambda e: done.set())
+    while not updates:
+        time.sleep(0.01)
+    service.abort("long")
+    assert done.wait(30)
+    assert updates[-1][1] and {s.finish_reason for s in updates[-1][0]} == {"abort"}
+    service.shutdown()
+    assert llm.engine.stats().kv_blocks_used == 0
+    llm.engine.check_integrity()

@@ -170,7 +170,7 @@ def test_bls_items_split_the_batch_and_refuse_what_cannot_be_served(
     assert items[1].inputs["temperature"].tolist() == [0.0]  # no top_k / top_p: greedy
     assert not model.items(delivered(prepare_inputs(PROMPT, 5, False)).get)[0].batched
     refused = [
-        ({"beam_width": np.array([[2]], dtype=np.int32)}, "beam_width must be 1"),
+        ({"beam_width": np.array([[11]], dtype=np.int32)}, r"beam_width must be in \[1, 10\]"),
         ({"num_return_sequences": np.array([[2]], dtype=np.int32)}, "num_return_sequences"),
         ({"return_perf_metrics": np.array([[True]])}, "return_perf_metrics is not supported"),
         ({"return_generation_logits": np.array([[True]])}, "return_generation_logits is not"),
@@ -283,7 +283,7 @@ def test_stop_words_and_the_clients_empty_word_lists(server: TritonServer, llm: 
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("beam_width", np.int32(2), "beam_width must be 1 (beam search is not supported), got 2"),
+        ("beam_width", np.int32(11), "beam_width must be in [1, 10], got 11"),
         ("num_return_sequences", np.int32(2), "num_return_sequences must be 1"),
         ("return_context_logits", True, "return_context_logits is not supported"),
         ("lora_task_id", np.uint64(3), "unexpected inference input 'lora_task_id'"),
@@ -316,3 +316,37 @@ def test_a_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
     client.stop_stream(cancel_requests=True)
     assert server_metrics.wait_idle(server.metrics_url, timeout=1.0) < 1.0
     assert aborted(server) == before + 1
+
+
+def test_beam_width_gives_every_beam(server: TritonServer, llm: LLM) -> None:
+    """[batch, beam] outputs as TensorRT-LLM's client reads them: `text_output` [beam] best
+    first, `cum_log_probs` [1, beam], `output_log_probs` [1, beam, tokens]; streamed, every
+    response holds every beam whole. Oracle: `LLM.beam_search`."""
+    from pagedllm.beam_search import BeamSearchParams
+
+    (beams,) = llm.beam_search([PROMPT], BeamSearchParams(3, OUTPUT_LEN))
+    n = len(llm.engine.tokenizer.encode(PROMPT))
+    expected = [llm.engine.tokenizer.decode(s.tokens[n:]) for s in beams.sequences]
+    lengths = [len(s.tokens) - n for s in beams.sequences]
+    extra = {
+        "beam_width": np.array([[3]], dtype=np.int32),
+        "return_log_probs": np.array([[True]]),
+        "return_num_output_tokens": np.array([[True]]),
+    }
+    outputs = ("text_output", "cum_log_probs", "output_log_probs", "num_output_tokens")
+    (result,) = run_inference(server, prepare_inputs(PROMPT, OUTPUT_LEN, False, **extra), outputs)
+    assert not isinstance(result, Exception), result
+    got = [t.decode() for t in result.as_numpy("text_output")]
+    assert got == [PROMPT + t for t in expected]
+    cums = [s.cum_logprob for s in beams.sequences]
+    np.testing.assert_allclose(result.as_numpy("cum_log_probs"), [cums], atol=1e-4)
+    per_token = result.as_numpy("output_log_probs")
+    assert per_token.shape == (1, 3, max(lengths))  # shorter beams (ended by EOS) padded
+    np.testing.assert_allclose(per_token.sum(-1), [cums], atol=1e-4)
+    assert result.as_numpy("num_output_tokens").tolist() == [[n + k for k in lengths]]
+    streamed = run_inference(server, prepare_inputs(PROMPT, OUTPUT_LEN, True, **extra), outputs)
+    assert len(streamed) == OUTPUT_LEN
+    for step, r in enumerate(streamed[:-1], 1):  # the live beams, step tokens each
+        assert not isinstance(r, Exception), r
+        assert r.as_numpy("output_log_probs").shape == (1, 3, step)
+    assert [t.decode() for t in streamed[-1].as_numpy("text_output")] == expected

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedllm.beam_search import BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.faults import EngineDeadError, describe
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput], None]
 OnError = Callable[[Exception], None]
+# a beam search's beams, best first: every live one after each step (finished False), then
+# the final ranking (True; on abort, the live beams with finish_reason "abort")
+OnBeams = Callable[[list[BeamSearchSequence], bool], None]
 # the engine's stats and the histogram observations since the previous call
 OnStats = Callable[[EngineStats, list[tuple[str, float]]], None]
 
@@ -38,9 +42,16 @@ OnStats = Callable[[EngineStats, list[tuple[str, float]]], None]
 class _Submit:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
-    on_output: OnOutput
+    params: SamplingParams | BeamSearchParams
+    on_output: OnOutput | OnBeams
     on_error: OnError
+
+
+@dataclass
+class _Beams:
+    on_beams: OnBeams
+    on_error: OnError
+    steps: int = 0  # the group's steps already delivered
 
 
 @dataclass
@@ -57,6 +68,7 @@ class EngineService:
         self._last_stats: EngineStats | None = None
         self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
         self._callbacks: dict[str, tuple[OnOutput, OnError]] = {}
+        self._beams: dict[str, _Beams] = {}  # beam searches in flight
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._stopping = False
         self._drain = True
@@ -98,6 +110,18 @@ class EngineService:
                 raise RuntimeError("the engine is shutting down")
             self._commands.put(_Submit(request_id, prompt, params, on_output, on_error))
 
+    def submit_beam_search(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        on_beams: OnBeams,
+        on_error: OnError,
+    ) -> None:
+        """Queue a beam search (`LLMEngine.add_beam_search`): `on_beams` gets every live beam
+        after each step, then the final ranking; errors as `submit`'s."""
+        self.submit(request_id, prompt, params, on_beams, on_error)  # type: ignore[arg-type]
+
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if it already finished); its blocks are freed at the engine
         thread's next turn, and its callback gets a final output with finish_reason abort."""
@@ -128,7 +152,7 @@ class EngineService:
                 if cmd is None:
                     stop_seen = True
                     if not self._drain:
-                        for request_id in list(self._callbacks):
+                        for request_id in [*self._callbacks, *self._beams]:
                             self._abort(request_id)
                 elif isinstance(cmd, _Submit):
                     self._add(cmd)
@@ -163,8 +187,12 @@ class EngineService:
             return cmds
 
     def _add(self, cmd: _Submit) -> None:
+        beams = isinstance(cmd.params, BeamSearchParams)
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            if isinstance(cmd.params, BeamSearchParams):
+                self.engine.add_beam_search(cmd.request_id, cmd.prompt, cmd.params)
+            else:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
         except ValueError as e:
             _call(cmd.on_error, e)
             return
@@ -172,9 +200,20 @@ class EngineService:
             logger.exception("adding request %s failed", cmd.request_id)
             _call(cmd.on_error, e)
             return
-        self._callbacks[cmd.request_id] = (cmd.on_output, cmd.on_error)
+        if beams:
+            self._beams[cmd.request_id] = _Beams(cmd.on_output, cmd.on_error)  # type: ignore[arg-type]
+        else:
+            self._callbacks[cmd.request_id] = (cmd.on_output, cmd.on_error)  # type: ignore[assignment]
 
     def _abort(self, request_id: str) -> None:
+        if (beams := self._beams.pop(request_id, None)) is not None:
+            group = self.engine.scheduler.beams.groups.get(request_id)
+            live = [] if group is None else group.live_sequences()
+            self.engine.abort_request(request_id)
+            for seq in live:
+                seq.finish_reason = "abort"
+            _deliver_beams(beams, live, True)
+            return
         out = self.engine.abort_request(request_id)
         if out is not None:
             self._deliver(out)
@@ -194,13 +233,31 @@ class EngineService:
             self._fail_requests()
         for out in outputs:
             self._deliver(out)
+        self._poll_beams()
         return True
+
+    def _poll_beams(self) -> None:
+        """Beam searches report no outputs from step(): each one that advanced gets its live
+        beams, each one that finished its final ranking."""
+        if not self._beams:
+            return
+        groups = self.engine.scheduler.beams.groups
+        for request_id, beams in self._beams.items():
+            group = groups.get(request_id)
+            if group is not None and group.num_steps > beams.steps:
+                beams.steps = group.num_steps
+                _deliver_beams(beams, group.live_sequences(), False)
+        for request_id, output in self.engine.take_beam_search_outputs():
+            if (done := self._beams.pop(request_id, None)) is not None:
+                _deliver_beams(done, output.sequences, True)
 
     def _fail_requests(self) -> None:
         for request_id, error in self.engine.request_errors.items():
             callbacks = self._callbacks.pop(request_id, None)
             if callbacks is not None:
                 _call(callbacks[1], error)
+            if (beams := self._beams.pop(request_id, None)) is not None:
+                _call(beams.on_error, error)
         self.engine.request_errors.clear()
 
     def _poison(self, reason: str) -> None:
@@ -210,8 +267,11 @@ class EngineService:
                 self._dead_reason = reason
         error = EngineDeadError(f"the engine is dead: {self._dead_reason}")
         logger.critical("failing %d requests: %s", len(self._callbacks), error)
-        for request_id, (_, on_error) in list(self._callbacks.items()):
-            del self._callbacks[request_id]
+        failing = [(r, cb[1]) for r, cb in self._callbacks.items()]
+        failing += [(r, b.on_error) for r, b in self._beams.items()]
+        self._callbacks.clear()
+        self._beams.clear()
+        for request_id, on_error in failing:
             try:  # frees its blocks; the engine may be too broken for it
                 self.engine.abort_request(request_id)
             except Exception:
@@ -231,6 +291,13 @@ class EngineService:
             callbacks[0](out)
         except Exception:
             logger.exception("output callback of request %s failed", out.request_id)
+
+
+def _deliver_beams(beams: _Beams, sequences: list[BeamSearchSequence], finished: bool) -> None:
+    try:
+        beams.on_beams(sequences, finished)
+    except Exception:
+        logger.exception("beam search callback failed")
 
 
 def _call(on_error: OnError, error: Exception) -> None:

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedllm.convert import to_bool
+from pagedllm.openai.beams import beam_choices, beam_requests
 from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
 from pagedllm.openai.chat_fields import ChatTemplateFields
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
@@ -132,15 +133,32 @@ class Gateway:
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo:
             prompt_logprobs = body.logprobs
+        echo = None
+        if body.echo:  # the prompt's text, or the text of the ids the model saw
+            echo = [self._echo(g, p, keep) for g, p in zip(given, prompts, strict=True)]
+        if body.use_beam_search:
+            return await self._beam_search(request, body, prompts, echo)
         extra = self._extra(body, body.constraint)
         samples = self._samples(
             body, prompts, body.max_tokens, body.logprobs, prompt_logprobs, extra
         )
-        echo = None
-        if body.echo:  # the prompt's text, or the text of the ids the model saw
-            echo = [self._echo(g, p, keep) for g, p in zip(given, prompts, strict=True)]
         builder = CompletionBuilder(self.model_name, self.tokens, body, samples, echo)
         return await self._answer(request, body, samples, builder, "prompt", body.constraint)
+
+    async def _beam_search(
+        self, request: Request, body: CompletionRequest, prompts: list[Prompt], echo: Any
+    ) -> Response:
+        """vLLM's `use_beam_search` (`openai.beams`): the choices are each prompt's beams."""
+        requests = beam_requests(body, prompts, body.max_tokens)
+        stream = merged(self.bridge, requests)
+        try:
+            choices = await until_disconnect(request, beam_choices(stream, requests))
+        except TritonError as e:
+            raise from_triton(e, "prompt", None) from None
+        finally:
+            await stream.aclose()
+        builder = CompletionBuilder(self.model_name, self.tokens, body, choices, echo)
+        return JSONResponse(builder.final())
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request, ChatCompletionRequest)

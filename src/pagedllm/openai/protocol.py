@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedllm.openai.beams import check_beam_search
 from pagedllm.openai.chat_fields import ChatTemplateFields
 from pagedllm.openai.errors import bad_request
 from pagedllm.openai.router_fields import ChatRouterFields, RouterFields
@@ -155,10 +156,15 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's beam search (`openai.beams`): the choices are the `n` best beams
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
 
     def check(self) -> None:
         super().check()
         check_utf8(self.prompt, "prompt")
+        if self.use_beam_search:
+            check_beam_search(self)
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -19,6 +19,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import grpc
@@ -54,6 +55,9 @@ class Generation:
 
     prompt: str | list[int]
     sampling: dict[str, Any]
+    # > 1: a beam search (TensorRT-LLM's `beam_width`, `length_penalty`; `openai.beams`)
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     @property
     def logprobs(self) -> bool:
@@ -87,6 +91,8 @@ class Chunk:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int | None = None
+    # a beam search: every beam's whole output so far, best first (each a Chunk of its own)
+    beams: list[Chunk] | None = None
 
 
 def _tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput:
@@ -116,7 +122,7 @@ def make_inputs(generation: Generation) -> list[grpcclient.InferInput]:
         prompt = _tensor("text_input", "BYTES", text("the prompt", generation.prompt))
     else:
         prompt = _tensor("input_ids", "INT32", np.array(generation.prompt, dtype=np.int32))
-    return [
+    inputs = [
         prompt,
         _tensor(
             "sampling_parameters", "BYTES", text("sampling_parameters (a stop string)", sampling)
@@ -125,6 +131,14 @@ def make_inputs(generation: Generation) -> list[grpcclient.InferInput]:
         _tensor("exclude_input_in_output", "BOOL", flag(True)),
         _tensor("return_log_probs", "BOOL", flag(generation.logprobs)),
     ]
+    if generation.beam_width > 1:
+        width = np.array([generation.beam_width], dtype=np.int32)
+        penalty = np.array([generation.length_penalty], dtype=np.float32)
+        inputs += [
+            _tensor("beam_width", "INT32", width),
+            _tensor("length_penalty", "FP32", penalty),
+        ]
+    return inputs
 
 
 def token_logprobs(
@@ -189,7 +203,9 @@ def to_chunk(result: Any) -> Chunk:
         rest = token_logprobs(prompt_ids[1:], array("prompt_log_probs"), top_ids, top, ranks)
         # the first token has no log-prob: nothing predicts it
         prompt_logprobs = [TokenLogprob(int(prompt_ids[0]), None), *rest]
+    lengths = result.as_numpy("sequence_lengths")
     return Chunk(
+        beams=None if lengths is None else _beams(array, lengths.reshape(-1)),
         text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
         token_ids=[int(i) for i in ids],
         logprobs=logprobs,
@@ -199,6 +215,29 @@ def to_chunk(result: Any) -> Chunk:
         num_output_tokens=int(scalar("num_output_tokens", 0)),
         num_cached_tokens=None if cached is None else int(cached),
     )
+
+
+def _beams(array: Any, lengths: np.ndarray) -> list[Chunk]:
+    """A beam search's response: one Chunk per beam, its tokens' log-probs included."""
+    texts, reasons = array("text_output"), array("finish_reason")
+    ids, chosen = array("output_token_ids"), array("output_log_probs")
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    beams = []
+    for k, (a, b) in enumerate(pairwise(starts)):
+        entries = [
+            TokenLogprob(int(i), float(v)) for i, v in zip(ids[a:b], chosen[a:b], strict=True)
+        ]
+        beams.append(
+            Chunk(
+                text=texts[k].decode("utf-8"),
+                token_ids=[int(i) for i in ids[a:b]],
+                logprobs=entries,
+                finish_reason=reasons[k].decode(),
+                num_input_tokens=int(array("num_input_tokens")[0]),
+                num_output_tokens=int(b - a),
+            )
+        )
+    return beams
 
 
 def request_error(message: str) -> TritonError:

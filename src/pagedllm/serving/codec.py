@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.convert import to_bool
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving import structured
+from pagedllm.serving.beams import beam_params
 
 # scalar input tensor -> SamplingParams field
 SCALAR_INPUTS = {
@@ -108,6 +110,8 @@ ALL_INPUTS = (
 Getter = Callable[[str], "np.ndarray | None"]
 # sequences per request (n, num_return_sequences)
 MAX_N = 64
+# beams per request (each asks for 2 x width log-probs: the engine's cap is 20)
+MAX_BEAM_WIDTH = 10
 # sampling_parameters longer than this are refused (its longest legitimate part: stop lists)
 MAX_JSON_CHARS = 1 << 19  # room for a schema of the largest size allowed, escaped
 
@@ -134,6 +138,8 @@ class GenerateRequest:
     # set by the ensemble (its `tokenizer` step): the step after `llm_engine` asks Triton
     # whether the client cancelled and reports it, so `llm_engine` need not ask too
     downstream_cancel_check: bool = False
+    # beam_width > 1: a beam search (`serving.beams`), its settings from `params`
+    beam: BeamSearchParams | None = None
 
 
 def _single(name: str, array: np.ndarray) -> Any:
@@ -212,7 +218,7 @@ def parse_request(get: Getter) -> GenerateRequest:
         if name in flags:
             extra |= Extra.VLLM | (bit if flags[name] else Extra.NONE)
     _structured(get, values)
-    _trtllm(get, values)
+    width, length_penalty = _trtllm(get, values)
     if flags.get("return_log_probs") and values.get("logprobs") is None:
         values["logprobs"] = 0  # the chosen token's log-prob
     top_logprobs = values.get("logprobs")
@@ -226,6 +232,10 @@ def parse_request(get: Getter) -> GenerateRequest:
         raise RequestError(str(e)) from None
     if params.n > MAX_N:
         raise RequestError(f"n must be at most {MAX_N}, got {params.n}")
+    try:
+        beam = None if width == 1 else beam_params(params, width, length_penalty)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     return GenerateRequest(
         prompt=prompt,
         params=params,
@@ -236,6 +246,7 @@ def parse_request(get: Getter) -> GenerateRequest:
         extra=extra,
         top_logprobs=params.logprobs if top_logprobs is not None else None,
         downstream_cancel_check=flags.get(DOWNSTREAM_CANCEL_CHECK, False),
+        beam=beam,
     )
 
 
@@ -263,16 +274,18 @@ def _structured(get: Getter, values: dict[str, Any]) -> None:
         raise RequestError(str(e)) from None
 
 
-def _trtllm(get: Getter, values: dict[str, Any]) -> None:
-    """TensorRT-LLM's inputs that have no SamplingParams field of their own."""
+def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float]:
+    """TensorRT-LLM's inputs that have no SamplingParams field of their own; returns the
+    beam width and length penalty."""
 
     def read(name: str) -> Any:
         array = get(name)
         return None if array is None else _single(name, array)
 
     beam_width = read("beam_width")
-    if beam_width is not None and beam_width != 1:
-        raise RequestError(f"beam_width must be 1 (beam search is not supported), got {beam_width}")
+    beam_width = 1 if beam_width is None else beam_width
+    if isinstance(beam_width, bool | float | str) or not 1 <= beam_width <= MAX_BEAM_WIDTH:
+        raise RequestError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {beam_width!r}")
     for name in ("return_context_logits", "return_generation_logits"):
         if (flag := read(name)) is not None and _flag(name, flag):
             raise RequestError(
@@ -290,3 +303,4 @@ def _trtllm(get: Getter, values: dict[str, Any]) -> None:
     length_penalty = read("length_penalty")  # scores beams only: nothing to do with one
     if length_penalty is not None and not np.isfinite(float(length_penalty)):
         raise RequestError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    return int(beam_width), 1.0 if length_penalty is None else float(length_penalty)

@@ -22,12 +22,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from pagedllm.beam_search import BeamSearchSequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.faults import FaultInjection
-from pagedllm.engine.service import EngineService, OnStats
+from pagedllm.engine.service import EngineService, OnBeams, OnStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.serving.beams import beam_output
 from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Fail, IsCancelled, Send, Stream
@@ -121,7 +123,7 @@ class EngineModel:
                 "UNAVAILABLE",
             )
             return
-        detokenized = bool(req.params.stop) or req.params.n > 1
+        detokenized = bool(req.params.stop) or req.params.n > 1 or req.beam is not None
         prefix = "" if req.stream or req.exclude_input_in_output else req.prompt
         ids = req.prompt_token_ids
         if not (req.stream or req.exclude_input_in_output or prefix) and ids is not None:
@@ -138,7 +140,8 @@ class EngineModel:
             skip_special_tokens=params.skip_special_tokens,
             detokenized=detokenized,
             streamed=req.stream,
-            n=req.params.n,
+            n=req.params.n if req.beam is None else req.beam.beam_width,
+            beams=req.beam is not None,
             prefix=prefix,
             send=send,
             fail=fail,
@@ -162,10 +165,33 @@ class EngineModel:
 
         prompt = req.prompt if req.prompt_token_ids is None else req.prompt_token_ids
         try:
-            self.service.submit(stream.request_id, prompt, params, on_output, on_error)
+            if req.beam is not None:
+                on_beams = self._beam_sender(stream, prompt, params.skip_special_tokens)
+                self.service.submit_beam_search(
+                    stream.request_id, prompt, req.beam, on_beams, on_error
+                )
+            else:
+                self.service.submit(stream.request_id, prompt, params, on_output, on_error)
         except RuntimeError as e:  # shutting down, or the engine is dead
             message = str(e) if error_code(str(e)) == "UNAVAILABLE" else f"the engine {e}"
             self._outbox.put(lambda: self._fail(stream, message, "UNAVAILABLE"))
+
+    def _beam_sender(self, stream: Stream, prompt: str | list[int], skip: bool) -> OnBeams:
+        """The beams' updates, decoded and sent on the sender thread (`serving.beams`)."""
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+        def on_beams(sequences: list[BeamSearchSequence], finished: bool) -> None:
+            if not (finished or stream.streamed):  # a non-streamed request answers once
+                return
+
+            def respond() -> None:
+                tokenizer = self.engine.tokenizer
+                out = beam_output(stream.request_id, ids, sequences, finished, tokenizer, skip)
+                self._respond(stream, out)
+
+            self._outbox.put(respond)
+
+        return on_beams
 
     def _admit(self) -> bool:
         with self._lock:

@@ -117,6 +117,7 @@ class Stream:
     top_logprobs: int | None = None  # the log-probs asked for: the alternatives per token
     prompt_top: int = 0  # the alternatives per prompt token, when prompt log-probs are asked
     n: int = 1  # sequences per request (n > 1: detokenized here)
+    beams: bool = False  # a beam search: every response holds every beam whole (`beams`)
     # ask Triton whether the client cancelled (False: the next step does, `codec`)
     polled: bool = True
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -127,6 +128,9 @@ class Stream:
     def responses_for(self, out: RequestOutput) -> list[Tensors]:
         """The engine responses for one engine output: one, or for n > 1 streamed (DELTA
         outputs hold the sequences that changed) one per sequence, tagged with its index."""
+        if self.beams:
+            self.counts = {}  # each output holds the beams whole
+            return [self._sequences(out, out.outputs, -1)]
         if self.n == 1:
             return [self.tensors(out)]
         if len(out.outputs) == 1 or self.streamed:

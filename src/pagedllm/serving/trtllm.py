@@ -234,28 +234,46 @@ class BlsModel:
     @staticmethod
     def tensors(item: BlsItem, out: Tensors) -> Tensors:
         """TensorRT-LLM's outputs of one batch item: `text_output` [beam] as its BLS sends it
-        (its postprocessing's 1-D `OUTPUT`), the others [1, ...] as its core model's."""
-        text = out["text_output"].reshape(-1)[0]
-        t: Tensors = {"text_output": np.array([text], dtype=np.object_)}
+        (its postprocessing's 1-D `OUTPUT`), the others [1, ...] as its core model's. A beam
+        search (`sequence_lengths` sent: every beam whole, best first) gives [1, beam] counts
+        and log-probs, `output_log_probs` [1, beam, tokens] padded with 0 as TensorRT-LLM's."""
+        lengths = out.get("sequence_lengths")
+        texts = out["text_output"].reshape(-1)
+        t: Tensors = {"text_output": texts[: 1 if lengths is None else len(texts)].copy()}
         if item.batched:
             t["batch_index"] = np.array([[item.index]], dtype=np.int32)
         if item.log_probs:  # [1, beam, tokens] and [1, beam]
-            t["output_log_probs"] = out["output_log_probs"].astype(np.float32).reshape(1, 1, -1)
+            chosen = out["output_log_probs"].astype(np.float32)
+            t["output_log_probs"] = _per_beam(chosen, lengths)
             total = out.get("cum_log_probs", np.zeros(1, dtype=np.float32))
-            t["cum_log_probs"] = total.astype(np.float32).reshape(1, 1)
+            t["cum_log_probs"] = total.astype(np.float32).reshape(1, -1)
         prompt = int(out["num_input_tokens"].reshape(-1)[0])
         if item.num_input_tokens:
             t["num_input_tokens"] = np.array([[prompt]], dtype=np.int32)
         if item.num_output_tokens:
             # TensorRT-LLM counts this response's output ids: streamed, the new ones; else all
-            # of them, the prompt's included unless excluded
-            if item.stream:
-                count = len(out["output_token_ids"])
+            # of them, the prompt's included unless excluded (beams: each one's whole output)
+            if lengths is not None:
+                counts = lengths + (0 if item.exclude_input or item.stream else prompt)
+            elif item.stream:
+                counts = np.array([len(out["output_token_ids"])])
             else:
                 count = int(out["num_output_tokens"].reshape(-1)[0])
-                count += 0 if item.exclude_input else prompt
-            t["num_output_tokens"] = np.array([[count]], dtype=np.int32)
+                counts = np.array([count + (0 if item.exclude_input else prompt)])
+            t["num_output_tokens"] = counts.astype(np.int32).reshape(1, -1)
         return t
+
+
+def _per_beam(values: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
+    """[1, beam, tokens]: one beam's values, or the beams' (one after another) padded."""
+    if lengths is None:
+        return values.reshape(1, 1, -1)
+    out = np.zeros((1, len(lengths), int(lengths.max(initial=0))), dtype=np.float32)
+    start = 0
+    for k, n in enumerate(lengths.tolist()):
+        out[0, k, :n] = values[start : start + n]
+        start += n
+    return out
 
 
 class BatchReplies:

@@ -1,0 +1,99 @@
+"""Beam search through Triton (`beam_width` on `ensemble` and `llm`, `serving.beams`) on the
+real server. Oracle: `LLM.beam_search` on the same checkpoint, an independent engine run."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import pytest
+from test_contract import generate
+
+from pagedllm import LLM
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.serving.tritonserver import TritonServer
+
+SHARES_SERVER = True  # conftest's session server: requests only
+PROMPT = "Once upon a time"
+WIDTH, STEPS = 3, 6
+
+
+def expected(llm: LLM, length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
+    """The oracle's beams, best first: (output token ids, cumulative log-prob)."""
+    params = BeamSearchParams(WIDTH, STEPS, ignore_eos=True, length_penalty=length_penalty)
+    (out,) = llm.beam_search([PROMPT], params)
+    prompt = llm.engine.tokenizer.encode(PROMPT)
+    return [(s.tokens[len(prompt) :], s.cum_logprob) for s in out.sequences]
+
+
+def values(**extra: Any) -> dict[str, Any]:
+    return {
+        "text_input": PROMPT,
+        "max_tokens": STEPS,
+        "ignore_eos": True,
+        "beam_width": np.array([WIDTH], dtype=np.int32),
+        **extra,
+    }
+
+
+def check_beams(
+    llm: LLM, response: dict[str, np.ndarray], beams: list[tuple[list[int], float]], prefix: str
+) -> None:
+    lengths = response["sequence_lengths"].tolist()
+    assert lengths == [len(ids) for ids, _ in beams]
+    ids = response["output_token_ids"].tolist()
+    starts = np.cumsum([0, *lengths])
+    assert [ids[a:b] for a, b in pairwise(starts)] == [i for i, _ in beams]
+    decode = llm.engine.tokenizer.decode
+    assert [t.decode() for t in response["text_output"]] == [prefix + decode(i) for i, _ in beams]
+    np.testing.assert_allclose(response["cum_log_probs"], [c for _, c in beams], atol=1e-4)
+    per_beam = np.split(response["output_log_probs"], starts[1:-1])
+    np.testing.assert_allclose([p.sum() for p in per_beam], [c for _, c in beams], atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "llm"])
+def test_beams_equal_the_offline_beam_search(server: TritonServer, llm: LLM, model: str) -> None:
+    beams = expected(llm)
+    assert len({tuple(i) for i, _ in beams}) == WIDTH
+    (response,) = generate(server, values(), model=model)
+    check_beams(llm, response, beams, PROMPT)
+    assert response["finish_reason"].tolist() == [b"length"] * WIDTH
+    (excluded,) = generate(server, values(exclude_input_in_output=True), model=model)
+    check_beams(llm, excluded, beams, "")
+
+
+def test_length_penalty_is_served(server: TritonServer, llm: LLM) -> None:
+    beams = expected(llm, length_penalty=0.5)
+    lp = np.array([0.5], dtype=np.float32)
+    (response,) = generate(server, values(length_penalty=lp, exclude_input_in_output=True))
+    check_beams(llm, response, beams, "")
+
+
+def test_streamed_responses_carry_every_beam_whole(server: TritonServer, llm: LLM) -> None:
+    responses = generate(server, values(stream=True))
+    assert len(responses) == STEPS  # one per step, the last the final ranking
+    for step, response in enumerate(responses, 1):
+        assert response["sequence_lengths"].tolist() == [step] * WIDTH
+        texts = response["text_output"].tolist()
+        ids = response["output_token_ids"].reshape(WIDTH, step).tolist()
+        assert texts == [llm.engine.tokenizer.decode(i).encode() for i in ids]
+        cums = response["cum_log_probs"].tolist()
+        assert cums == sorted(cums, reverse=True)  # best first
+    check_beams(llm, responses[-1], expected(llm), "")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"beam_width": np.array([11], dtype=np.int32)}, r"beam_width must be in \[1, 10\]"),
+        ({"stop_words": ["the"]}, "cannot be combined with stop strings"),
+        ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "a+"}, "structured"),
+        ({"top_logprobs": 2}, "cannot be combined with top log-probs"),
+    ],
+)
+def test_what_beams_cannot_serve_is_refused(
+    server: TritonServer, extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        generate(server, values(**extra))
