@@ -91,7 +91,7 @@ def test_runtime_env_shm_and_gpu(runtime: Doc) -> None:
     engine, _ = run_engine_config({"PAGEDLLM_MODEL_DIR": "/model"}, {})
     assert set(env) <= engine | source_env_names()
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
-    (service,) = compose["services"].values()
+    service = compose["services"]["tritonserver"]
     default_dir = compose_default(service["environment"]["PAGEDLLM_MODEL_DIR"])
     assert env["PAGEDLLM_MODEL_DIR"] == default_dir  # the model baked into the image
     volumes = {v["name"]: v for v in runtime["spec"]["volumes"]}
