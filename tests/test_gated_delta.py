@@ -8,6 +8,10 @@ a prefill shorter than the conv window; slots out of order in a larger pool), a 
 at arbitrary points equal to the whole prefill, decode steps after it equal to HF's recurrent
 form, fp32 and bf16, GQA (2 value heads per key head), head dims that are not powers of two.
 
+The C++ decode kernels (csrc/gated_delta.cpp, the CPU path's default) against the torch step
+(`kernel=False`) and HF's recurrent rule: fp32 / bf16 / fp16, 2-4 value heads per key head,
+Dv a multiple of the SIMD width or not, slots out of order, a new request among them.
+
 Tolerances: fp32 1e-4 (the chunked form's triangular solve against the oracle's; the states
 match to ~1e-6); bf16 inputs and outputs 2e-2 (the oracle rounds the conv output once more).
 """
@@ -20,6 +24,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from pagedllm.layers import gated_delta as gd
 from pagedllm.layers import gated_delta_triton as gdt
+from pagedllm.layers.attention import cpu_kernels as kernels
 
 SHAPE = gd.GdnShape(key_heads=2, value_heads=4, key_dim=32, value_dim=24, conv_kernel=4)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -190,3 +195,98 @@ def test_conv_bias_and_gated_norm() -> None:
     norm = norm.bfloat16()
     with torch.no_grad():
         assert torch.equal(gd.gated_rms_norm(x, z, norm.weight), norm(x, z))
+
+
+# --- the C++ decode kernel (csrc/gated_delta.cpp) -----------------------------------------------
+
+KERNEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def decode_inputs(shape: gd.GdnShape, n: int, dtype: torch.dtype, seed: int):
+    """q, k, v as views of one (n, conv_dim) conv output (strided, as the layer passes them),
+    g and beta as gdn_gating gives them."""
+    gen = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(n, shape.conv_dim, generator=gen).to(dtype)
+    q, k, v = shape.split(mixed)
+    a, b = torch.randn(2, n, shape.value_heads, generator=gen)
+    g, beta = gd.gdn_gating(a, b, torch.rand(shape.value_heads, generator=gen).log(), a[0])
+    return q, k, v, g, beta
+
+
+@pytest.mark.skipif(not kernels.kernel_available(), reason="the C++ extension did not build")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape",
+    [SHAPE, gd.GdnShape(2, 8, 128, 128), gd.GdnShape(1, 3, 48, 80)],
+    ids=["dv24-gqa2", "dv128-gqa4", "dv80-gqa3"],
+)
+def test_decode_kernel_matches_torch_and_hf(dtype: torch.dtype, shape: gd.GdnShape) -> None:
+    """The kernel's decode step (slots out of order, one request new) against the torch
+    step and HF's recurrent rule per request: outputs and every slot of the pool."""
+    slots, init = [4, 0, 5, 2], [1, 1, 0, 1]
+    q, k, v, g, beta = decode_inputs(shape, len(slots), dtype, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    pool = torch.randn(POOL, shape.value_heads, shape.key_dim, shape.value_dim, generator=gen)
+    idx, flags = torch.tensor(slots, dtype=torch.int32), torch.tensor(init, dtype=torch.int32)
+    expected_pool = pool.clone()
+    expected = gd._recurrent_step(q, k, v, g, beta, expected_pool, idx, flags, True, kernel=False)
+    out = torch.empty(v.shape, dtype=dtype)
+    state = pool.clone()
+    assert kernels.kernel_module().gated_delta_decode(
+        out, q, k, v, g, beta, state, idx, flags, True
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16/fp16: one rounding of the output
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(state, expected_pool, atol=1e-5, rtol=1e-5)
+    for r, slot in enumerate(slots):
+        h0 = pool[slot][None] if init[r] else None
+        o, h = hf.torch_recurrent_gated_delta_rule(
+            q[r : r + 1, None], k[r : r + 1, None], v[r : r + 1, None], g=g[r : r + 1, None],
+            beta=beta[r : r + 1, None], initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out[r].float(), o[0, 0].float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(state[slot], h[0], atol=1e-5, rtol=1e-5)
+    untouched = sorted(set(range(POOL)) - set(slots))
+    assert torch.equal(state[untouched], pool[untouched])
+
+
+@pytest.mark.skipif(not kernels.kernel_available(), reason="the C++ extension did not build")
+def test_decode_kernel_declines_what_it_does_not_take() -> None:
+    """Unsupported inputs return False with nothing written; a slot outside the pool raises."""
+    q, k, v, g, beta = decode_inputs(SHAPE, 2, torch.float32, seed=11)
+    state = torch.zeros(POOL, SHAPE.value_heads, SHAPE.key_dim, SHAPE.value_dim)
+    out, idx = torch.zeros(v.shape), torch.tensor([1, 2], dtype=torch.int32)
+    module = kernels.kernel_module()
+    assert not module.gated_delta_decode(out, q, k, v, g, beta, state, idx.long(), None, True)
+    assert not module.gated_delta_decode(out, q, k, v, g.double(), beta, state, idx, None, True)
+    assert not module.gated_delta_decode(out, q, k, v, g, beta, state.double(), idx, None, True)
+    assert not torch.any(out) and not torch.any(state)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        module.gated_delta_decode(out, q, k, v, g, beta, state, idx + POOL, None, True)
+
+
+@pytest.mark.skipif(not kernels.kernel_available(), reason="the C++ extension did not build")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv_update_kernel_matches_torch(
+    dtype: torch.dtype, bias: bool, activation: str | None
+) -> None:
+    """The conv update kernel (slots out of order, one request new, 1100 channels: blocks and
+    a tail) against the torch update: outputs within one rounding, conv states equal."""
+    gen = torch.Generator().manual_seed(12)
+    channels, slots, init = 1100, [4, 0, 5, 2], [1, 1, 0, 1]
+    x = torch.randn(len(slots), channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, 4, generator=gen).to(dtype)
+    b = torch.randn(channels, generator=gen).to(dtype) if bias else None
+    pool = torch.randn(POOL, channels, 3, generator=gen).to(dtype)
+    idx, flags = torch.tensor(slots, dtype=torch.int32), torch.tensor(init, dtype=torch.int32)
+    expected_pool, pool_ = pool.clone(), pool.clone()
+    expected = gd._conv_update(x, weight, b, expected_pool, idx, flags, activation, kernel=False)
+    out = torch.empty_like(x)
+    module = kernels.kernel_module()
+    assert module.gdn_conv_update(out, x, weight, b, pool_, idx, flags, activation == "silu")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert torch.equal(pool_, expected_pool)

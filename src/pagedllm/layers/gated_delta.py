@@ -14,8 +14,10 @@ Per token, with `GROUP = Hv // Hk` value heads per key head (head `h` reads key 
 
     S = exp(g) * S;   S += k (beta * (v - k^T S));   o = q^T S        S: (Dk, Dv) per head
 
-CPU (vectorized torch, fp32): the decodes as one recurrent step over the batch, a prefill by
-the chunked (WY / UT-transform) form, 64-token chunks in matmuls. CUDA: the Triton kernels of `gated_delta_triton` (a fused recurrent
+CPU (fp32): the decodes as one step over the batch (the C++ kernels of csrc/gated_delta.cpp:
+the conv update, then the rule in one pass over each (request, head) state; vectorized torch
+where they are not built), a prefill by the chunked (WY / UT-transform) form, 64-token chunks
+in matmuls. CUDA: the Triton kernels of `gated_delta_triton` (a fused recurrent
 pass per (request, head, value block), prefill included). Both keep the state in fp32 and
 round outputs once to the input dtype. transformers' `torch_chunk_gated_delta_rule` /
 `torch_recurrent_gated_delta_rule` / `causal_conv1d_*` are the oracle (tests/test_gated_delta.py).
@@ -29,6 +31,8 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.layers.attention import cpu_kernels
 
 CHUNK = 64  # the chunked form's chunk length (tokens)
 
@@ -204,7 +208,14 @@ def _conv_update(
     idx: torch.Tensor,
     init: torch.Tensor,
     activation: str | None,
+    kernel: bool = True,
 ) -> torch.Tensor:
+    """The decodes' conv: by the C++ kernel where it takes the inputs (and `kernel`)."""
+    out = torch.empty_like(x)
+    args = (x, weight, bias, conv_state, idx.int(), init.int(), activation == "silu")
+    if kernel and _run_kernel("gdn_conv_update", out, *args):
+        return out
+    idx = idx.long()
     prev = torch.where(init.bool().view(-1, 1, 1), conv_state[idx], 0)  # (R, C, K-1)
     window = torch.cat([prev.to(x.dtype), x[:, :, None]], dim=2)  # (R, C, K)
     y = (window.float() * weight.float()).sum(-1)
@@ -212,6 +223,13 @@ def _conv_update(
         y = y + bias.float()
     conv_state[idx] = window[:, :, 1:].to(conv_state.dtype)
     return _activate(y, activation).to(x.dtype)
+
+
+def _run_kernel(name: str, out: torch.Tensor, *args: object) -> bool:
+    """Whether the C++ kernel `name` (csrc/gated_delta.cpp) wrote `out`: False where the
+    extension is not built or the kernel does not take these inputs."""
+    module = cpu_kernels.kernel_module()
+    return module is not None and bool(getattr(module, name)(out, *args))
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -300,8 +318,14 @@ def _recurrent_step(
     state_indices: torch.Tensor,
     init: torch.Tensor,
     l2norm: bool,
+    kernel: bool = True,
 ) -> torch.Tensor:
-    """One token per request: (R, Hv, Dv) in v's dtype."""
+    """One token per request: (R, Hv, Dv) in v's dtype, by the C++ kernel where it takes the
+    inputs (and `kernel`)."""
+    out = torch.empty(v.shape, dtype=v.dtype)
+    args = (q, k, v, g, beta, ssm_state, state_indices.int(), init.int(), l2norm)
+    if kernel and _run_kernel("gated_delta_decode", out, *args):
+        return out
     idx = state_indices.long()
     qf, kf = _prepare_qk(q, k, v.shape[1], l2norm)  # (R, Hv, Dk)
     h0 = torch.where(init.bool().view(-1, 1, 1, 1), ssm_state[idx], 0)  # a new request: zeros

@@ -78,6 +78,7 @@ _SOURCES = (
     "qgemv.cpp",
     "moe.cpp",
     "decoder.cpp",
+    "gated_delta.cpp",
 )
 # the functions the extension exports (part of its name: a build never lacks one)
 _FUNCTIONS = (
@@ -96,6 +97,8 @@ _FUNCTIONS = (
     "packed_rows",
     "decode_layers",
     "fused_moe",
+    "gated_delta_decode",
+    "gdn_conv_update",
 )
 
 
