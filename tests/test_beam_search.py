@@ -227,3 +227,37 @@ def test_refuses(ckpt: Path) -> None:
         with pytest.raises(ValueError, match="prompt token ids"):
             llm.beam_search([{"prompt_token_ids": [VOCAB]}], BeamSearchParams(2, 4))
         llm.engine.check_integrity()
+
+
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.mark.slow
+def test_smollm2_equal_to_hf() -> None:
+    """The real default model: HF's beam search without EOS (ours with `ignore_eos`)."""
+    from pagedllm.prepare import prepare_smollm2
+
+    path = prepare_smollm2()
+    # NOTE: one thread: on two cores other jobs share, two OpenMP threads made HF's beam
+    # search ~20x slower (36 s against 1.5 s)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        smollm2_beams(path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def smollm2_beams(path: Path) -> None:
+    import transformers
+
+    hf_smol = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = make_llm(path, num_kv_blocks=64, block_size=16)
+    prompts = [llm.engine.tokenizer.encode(p) for p in SMOL_PROMPTS]
+    steps = 8
+    outs = run(llm, prompts, BeamSearchParams(WIDTH, steps, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = hf_beams(hf_smol, prompt, WIDTH, steps, 1.0)
+        assert [s.tokens for s in out.sequences] == ref.sequences.tolist()
+        ours = [s.cum_logprob / steps for s in out.sequences]
+        assert ours == pytest.approx(ref.sequences_scores.tolist(), abs=1e-3)

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import TINY, random_prompts
 from pagedllm import LLM, SamplingParams
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import RunnerOutput, SchedulerOutput
 from pagedllm.engine import LLMEngine
@@ -347,3 +348,47 @@ def test_fault_settings_and_messages() -> None:
     msg = describe(ValueError('bad value in "/work/main/src/pagedllm/x.py", line 3\nTraceback'))
     assert msg == 'ValueError: bad value in "<path>", line 3'
     assert describe(KeyError()) == "KeyError"
+
+
+def finish(eng: LLMEngine) -> dict[str, list[list[int]]]:
+    """Step until done; each finished request's tokens."""
+    done: dict[str, list[list[int]]] = {}
+    while eng.has_unfinished_requests():
+        done.update((out.request_id, tokens(out)) for out in eng.step() if out.finished)
+    return done
+
+
+@pytest.mark.parametrize("where", ["prefill", "forked"])
+def test_a_faulty_beam_fails_its_search_alone(checkpoints: dict[str, Path], where: str) -> None:
+    ckpt = checkpoints["llama"]
+    eng = engine(ckpt)
+    add(eng, 2)
+    expected = finish(eng)
+
+    beams = prompt(10, 50)
+    if where == "prefill":  # the root beam's prompt holds the faulty token
+        beams[4] = X
+        eng = engine(ckpt, FaultInjection(fail_on_token=X))
+    else:
+        eng = engine(ckpt)
+    add(eng, 2)
+    eng.add_beam_search("bs", beams, BeamSearchParams(3, 8, ignore_eos=True))
+    if where == "forked":  # a fault of the beams once forked (internal ids "bs#beamN")
+
+        def fault(sched: SchedulerOutput) -> Exception | None:
+            late = [s for s in sched.scheduled if s.start_pos >= len(beams) + 2]
+            return (
+                ValueError("bad beam")
+                if any(s.request_id.startswith("bs#") for s in late)
+                else None
+            )
+
+        failing_execute(eng, fault)
+    assert finish(eng) == expected
+    error = eng.request_errors.pop("bs")
+    assert isinstance(error, RequestFailedError)
+    assert str(error).startswith("request failed in the model runner: ")
+    assert not eng.request_errors and eng.dead_reason is None
+    assert not eng.scheduler.beams.groups and eng.take_beam_search_outputs() == []
+    eng.check_integrity()
+    assert eng.stats().kv_blocks_used == 0

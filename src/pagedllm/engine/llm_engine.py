@@ -57,8 +57,7 @@ class EngineStats:
     # the most blocks in use at once (both since the engine started)
     kv_blocks_freed_by_window: int = 0
     kv_blocks_peak: int = 0
-    # KV-cache bytes each token holds on a rank, over all layers (latent attention: its latent
-    # and rotated key, not per-head keys and values)
+    # KV-cache bytes per token on a rank, all layers (latent attention: latent + rotated key)
     kv_bytes_per_token: int = 0
 
 
@@ -185,8 +184,7 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request (all its samples, or a beam search's beams) and free its blocks
-        at once."""
+        """Cancel a request (all its samples, or a beam search's beams), freeing its blocks."""
         if not self.output_processor.has(request_id):
             self.scheduler.abort_beam_group(request_id)
             return None
@@ -287,7 +285,9 @@ class LLMEngine:
         self._execute(SchedulerOutput(scheduled=batch))
 
     def _parent_of(self, child_id: str) -> str | None:
-        """The request a scheduled (child) request is a sample of."""
+        """The request a scheduled request is a sample of, or the beam search it is a beam of."""
+        if (group := self.scheduler.beams.group_of(child_id)) is not None:
+            return group.group_id
         op = self.output_processor
         for parent in (child_id, child_id.rpartition("#")[0]):
             if op.has(parent) and child_id in op.child_ids(parent):

@@ -2,9 +2,12 @@
 `beam_width` = `n` (and `length_penalty`), its last response's beams (best first) the choices.
 Triton's rule is vLLM's (docs/beam_search.md): `2 × n` candidates per beam, no early stop,
 `ignore_eos` honoured; the beams rank by the raw log-probs, so the sampling fields play no
-part. Not streamed, and without `logprobs`, stop strings or structured outputs (400s naming the
-field): every streamed Triton response holds every beam whole, which OpenAI's deltas per choice
-cannot carry."""
+part. Without `logprobs`, stop strings or structured outputs (400s naming the field).
+
+Never streamed, as vLLM (`serving_completion`: `stream = request.stream and ... and not
+request.use_beam_search`): with `stream: true` the answer is the same JSON completion as
+without (every streamed Triton response holds every beam whole, which OpenAI's deltas per choice
+cannot carry, and beams reorder until the last step)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,6 @@ MAX_BEAM_WIDTH = 10  # the engine's (2 x width log-probs each, at most 20)
 
 def check_beam_search(body: Any) -> None:
     """What vLLM's beam search takes on /v1/completions and ours does not: 400 naming it."""
-    if body.stream:
-        raise bad_request("use_beam_search cannot be streamed", "stream")
     if not 1 <= body.n <= MAX_BEAM_WIDTH:
         raise bad_request(f"use_beam_search: n (the beam width) must be 1-{MAX_BEAM_WIDTH}", "n")
     refused = {
