@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from pagedllm.convert import to_bool
 from pagedllm.openai.beams import beam_choices, beam_requests
-from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
-from pagedllm.openai.chat_fields import ChatTemplateFields
+from pagedllm.openai.chat import ChatTemplate
+from pagedllm.openai.chat_fields import ChatTemplateFields, render_chat
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
 from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
 from pagedllm.openai.models import ServedModel
@@ -167,16 +167,7 @@ class Gateway:
         tools = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
         given = body.template_messages()
         messages, definitions = template_inputs(given, tools, template.accepts_tools)
-        try:
-            text = template.render(
-                messages,
-                definitions,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                variables=body.template_variables(),
-            )
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from None
+        text = render_chat(template, messages, definitions, body)
         prompt = await self._prompt(body, text, await self._keep(body))
         constraint, reads_calls = body.constraint, False
         extra = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
 from pagedllm.openai.errors import bad_request
 from pagedllm.openai.structured import Strict
 
@@ -80,3 +81,23 @@ class ChatTemplateFields(Strict):
             return ""
         content = last.get("content")
         return content if isinstance(content, str) else ""
+
+
+def render_chat(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    definitions: list[dict[str, Any]] | None,
+    body: ChatTemplateFields,
+) -> str:
+    """The request's messages (and tool definitions) through `template` with its chat fields;
+    a template error is a 400 naming `messages`."""
+    try:
+        return template.render(
+            messages,
+            definitions,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            variables=body.template_variables(),
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None

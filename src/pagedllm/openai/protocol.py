@@ -269,14 +269,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatRouterFields, ChatTemplateFiel
         return self.max_tokens
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template sees them: dicts with string content."""
-        out = []
-        for i, message in enumerate(self.messages):
-            item = message.model_dump(exclude_none=True)
-            text = message.text(i)
-            item["content"] = "" if text is None else text
-            out.append(item)
-        return out
+        return template_messages(self.messages)
 
 
 def parse_body(model: type[_SamplingRequest], raw: Any) -> Any:
@@ -331,4 +324,15 @@ def _param_name(loc: tuple[int | str, ...]) -> str:
             continue
         else:
             out += f".{part}" if out else part
+    return out
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them: dicts with string content."""
+    out = []
+    for i, message in enumerate(messages):
+        item = message.model_dump(exclude_none=True)
+        text = message.text(i)
+        item["content"] = "" if text is None else text
+        out.append(item)
     return out

@@ -33,11 +33,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from tokenizers import Tokenizer as _HFTokenizer
 
-from pagedllm.openai.chat import ChatTemplate, ChatTemplateError
-from pagedllm.openai.chat_fields import ChatTemplateFields
+from pagedllm.openai.chat import ChatTemplate
+from pagedllm.openai.chat_fields import ChatTemplateFields, render_chat
 from pagedllm.openai.errors import bad_request
 from pagedllm.openai.models import ServedModel
-from pagedllm.openai.protocol import ChatMessage, check_utf8, parse_body
+from pagedllm.openai.protocol import ChatMessage, check_utf8, parse_body, template_messages
 from pagedllm.openai.request_body import read_json
 from pagedllm.openai.structured import Strict
 from pagedllm.openai.tokens import TokenTexts
@@ -77,13 +77,7 @@ class TokenizeChatRequest(ChatTemplateFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them (as chat completions give them)."""
-        out = []
-        for i, message in enumerate(self.messages):
-            item = message.model_dump(exclude_none=True)
-            text = message.text(i)
-            item["content"] = "" if text is None else text
-            out.append(item)
-        return out
+        return template_messages(self.messages)
 
 
 class DetokenizeRequest(Strict):
@@ -173,16 +167,7 @@ class Tokenization:
             raise bad_request("continue_final_message needs a final message", "messages")
         whole = copy.copy(template)
         whole.strip_bos = False
-        try:
-            return whole.render(
-                messages,
-                definitions,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                variables=body.template_variables(),
-            )
-        except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from None
+        return render_chat(whole, messages, definitions, body)
 
     async def _check_length(self, count: int, param: str) -> int | None:
         """The model's max_model_len; 400 for more tokens than it (vLLM's check and words)."""
