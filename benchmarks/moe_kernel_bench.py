@@ -19,27 +19,14 @@ import itertools
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from gemv_bench import median_ms  # benchmarks/ is the script's directory
 
 from pagedllm.layers import quant
 from pagedllm.layers.moe import Experts, experts_loop
 from pagedllm.layers.moe_cpu import fused_experts_cpu
-
-
-def median_ms(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Medians of `reps` interleaved runs of each function (drift hits them alike)."""
-    times: list[list[float]] = [[] for _ in fns]
-    for f in fns:
-        f()
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) * 1e3 for t in times]
 
 
 def stacked(w: torch.Tensor, fmt: str) -> quant.Weight:
