@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybrid_models import ARCHS as HYBRID
+from hybrid_models import hf_config as hybrid_config
+
 from conftest import ARCHS, TINY
 from families import FAMILIES, family_config
 from pagedllm.families import SUPPORTED_ARCHITECTURES
@@ -33,6 +36,8 @@ def _hf_config(arch: str) -> tuple[dict[str, Any], str]:
         return cls(**{**TINY, **ARCHS[name]}).to_dict() | {
             "architectures": [arch]
         }, "test_parity.py"
+    if arch in HYBRID:
+        return hybrid_config(arch), "test_qwen35.py"
     name = next(n for n, (_, model_cls, _) in FAMILIES.items() if model_cls == arch)
     return family_config(name).to_dict() | {"architectures": [arch]}, "test_families.py"
 
@@ -81,6 +86,10 @@ def _features(cfg: ModelConfig) -> str:
         out.append("fused q/k/v and gate/up in the checkpoint")
     if cfg.attn_sinks:
         out.append("attention sinks")
+    if cfg.hybrid is not None:
+        n, total = cfg.hybrid.num_linear, cfg.num_layers
+        out.append(f"Gated-DeltaNet linear attention on {n} of {total} layers (conv1d and a "
+                   "recurrent state per request, no KV cache), gated attention on the others")  # fmt: skip
     return ", ".join(out + _moe_features(cfg)) or "—"
 
 
@@ -126,7 +135,7 @@ def _section(text: str) -> tuple[int, int]:
 
 
 def test_every_architecture_is_tested_against_hf() -> None:
-    tested = set(CONFTEST) | {model_cls for _, model_cls, _ in FAMILIES.values()}
+    tested = set(CONFTEST) | {model_cls for _, model_cls, _ in FAMILIES.values()} | set(HYBRID)
     assert tested == set(SUPPORTED_ARCHITECTURES)
 
 

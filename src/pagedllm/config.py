@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm import kv_budget
+from pagedllm import hybrid_config, kv_budget
 from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
@@ -56,6 +56,8 @@ class CacheConfig:
     # the window of EVERY layer (the widest): a request's blocks out of it are freed as it
     # goes; None (some layer attends globally, or off) keeps them until the request ends
     sliding_window: int | None = None
+    # a hybrid model's linear-attention state slots (core/state_pool.py); None: no such layers
+    num_state_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -150,6 +152,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         stream_interval: int = 1,
         free_out_of_window_blocks: bool = True,
+        num_state_slots: int | None = None,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
@@ -168,6 +171,15 @@ class EngineConfig:
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
         window = CacheConfig.window_of(model.layer_windows) if free_out_of_window_blocks else None
+        if model.hybrid is not None:  # linear-attention state slots beside the KV pool
+            if tensor_parallel_size > 1:
+                raise ConfigError(f"{model.architecture}: no tensor parallelism yet")
+            num_state_slots, kv_cache_memory = hybrid_config.size_state_pool(
+                model.hybrid, num_state_slots, max_num_seqs, kv_cache_memory, torch_dtype.itemsize
+            )
+            enable_prefix_caching = hybrid_config.prefix_caching(
+                enable_prefix_caching, model.architecture
+            )
         if num_kv_blocks is None:
             num_kv_blocks = kv_budget.num_kv_blocks(
                 model,
@@ -183,7 +195,9 @@ class EngineConfig:
                 tensor_parallel_size,
                 sliding_window=window,
             )
-        cache = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, window)
+        cache = CacheConfig(
+            block_size, num_kv_blocks, enable_prefix_caching, window, num_state_slots
+        )
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=batched_tokens,

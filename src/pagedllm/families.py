@@ -49,6 +49,9 @@ class Family:
     # multi-head latent attention (mla_config.py, model/mla.py): the paged cache holds one
     # compressed latent and one rotated key per token (DeepSeek-V2/V3)
     mla: bool = False
+    # Gated-DeltaNet linear-attention layers (a recurrent state per request, no KV cache)
+    # among gated full-attention ones (hybrid_config.py, model/gdn_block.py)
+    hybrid: bool = False
 
 
 # HF architecture -> its features. Fused q/k/v and gate/up checkpoints (Phi-3) need no
@@ -83,9 +86,12 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family(qk_norm="head", window_flag="use_sliding_window", moe="qwen_moe"),
     "GptOssForCausalLM": Family(moe="gpt_oss", attn_sinks=True),
     "DeepseekV3ForCausalLM": Family(moe="deepseek", mla=True),
+    "Qwen3_5ForCausalLM": Family(qk_norm="head", unit_offset_norm=True, hybrid=True),
 }
+# vision-language architectures served as their text model (hybrid_config.text_config)
+TEXT_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
 
-SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+SUPPORTED_ARCHITECTURES = (*FAMILIES, *TEXT_OF)
 
 # HF activation names -> ours
 ACTIVATIONS = {

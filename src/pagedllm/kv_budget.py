@@ -42,6 +42,8 @@ class ModelSizes(Protocol):
 
     def kv_values_per_token(self, world: int = 1) -> int: ...
 
+    def kv_bytes_per_token(self, dtype_size: int, world: int = 1) -> int: ...
+
 
 # per rank, for NCCL's communicator buffers when the model is split over GPUs
 NCCL_RESERVE = 512 << 20
@@ -84,9 +86,8 @@ def num_kv_blocks(
     per_seq = -(-model_len // block_size)
     if sliding_window is not None:
         per_seq = min(per_seq, -(-(sliding_window - 1 + batched_tokens) // block_size) + 1)
-    # a rank's KV heads (replicated past them), or latent attention's one row
-    values = model.kv_values_per_token(world)
-    bytes_per_block = model.num_layers * block_size * values * dtype.itemsize
+    # a rank's KV heads (replicated past them), or latent attention's one row, per KV layer
+    bytes_per_block = block_size * model.kv_bytes_per_token(dtype.itemsize, world)
     return max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))
 
 

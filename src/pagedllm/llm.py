@@ -34,7 +34,8 @@ class LLM:
     them, as does this process's exit). On a GPU, as vLLM's: `gpu_memory_utilization`, the
     share of the device this engine may use (its KV pool takes what the weights and
     activations leave; `kv_cache_memory` is the CPU's budget), and `enforce_eager` (decode
-    steps without CUDA graphs)."""
+    steps without CUDA graphs). `num_state_slots`: a hybrid model's (Qwen3.5) requests that
+    hold a linear-attention state at once (None: `max_num_seqs`, as memory allows)."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        num_state_slots: int | None = None,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -73,6 +75,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            num_state_slots=num_state_slots,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -10,6 +10,8 @@ from typing import Any
 
 from pagedllm.errors import ConfigError
 from pagedllm.families import ACTIVATIONS, FAMILIES, SUPPORTED_ARCHITECTURES, Family
+from pagedllm.hybrid_config import HybridConfig, text_config
+from pagedllm.hybrid_config import from_hf as hybrid_from_hf
 from pagedllm.mla_config import MlaConfig
 from pagedllm.mla_config import from_hf as mla_from_hf
 from pagedllm.moe_config import MoeConfig
@@ -154,6 +156,7 @@ class ModelConfig:
     # multi-head latent attention in place of q/k/v (then head_dim is its rotated dims,
     # qk_rope_head_dim, as transformers sets it)
     mla: MlaConfig | None = None
+    hybrid: HybridConfig | None = None  # linear-attention layers among the others (Qwen3.5)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -188,8 +191,9 @@ class ModelConfig:
         return 2 * max(1, self.num_kv_heads // world) * self.head_dim
 
     def kv_bytes_per_token(self, dtype_size: int, world: int = 1) -> int:
-        """KV-cache bytes per token of a rank, over all layers."""
-        return self.num_layers * self.kv_values_per_token(world) * dtype_size
+        """KV-cache bytes per token of a rank, over all layers (a hybrid's linear ones hold none)."""
+        layers = self.num_layers - (self.hybrid.num_linear if self.hybrid else 0)
+        return layers * self.kv_values_per_token(world) * dtype_size
 
     @property
     def sliding_window(self) -> int | None:
@@ -246,6 +250,7 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        hf = text_config(hf)  # a vision-language checkpoint's text model
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
@@ -307,6 +312,7 @@ class ModelConfig:
             moe=moe,
             layer_moe=layer_moe,
             mla=mla,
+            hybrid=hybrid_from_hf(hf, num_layers) if family.hybrid else None,
         )
 
 
@@ -389,8 +395,4 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    return () if value is None else (value,) if isinstance(value, int) else tuple(map(int, value))

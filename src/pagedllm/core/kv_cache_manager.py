@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.state_pool import StateSlots
 from pagedllm.request import Request
 
 # NOTE: what a freed (out-of-window) entry of a block table reads as. Any valid block index
@@ -37,8 +38,11 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
+        num_state_slots: int | None = None,
     ) -> None:
         self.block_size = block_size
+        # a hybrid model's linear-attention state slots, held with the blocks (state_pool.py)
+        self.states = StateSlots(num_state_slots) if num_state_slots else None
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -123,6 +127,8 @@ class KVCacheManager:
         them), and hits out of it are not taken. False, changing nothing else, if blocks are
         short: the caller preempts or waits."""
         rid = request.request_id
+        if self.states is not None and not self.states.can_take(rid):
+            return False  # no state slot free: the request waits
         first = request.num_computed_tokens + len(cached) * self.block_size
         num_total = first + num_new_tokens
         num_out = self.num_out_of_window(first)
@@ -158,6 +164,8 @@ class KVCacheManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_total // self.block_size)
+        if self.states is not None:
+            self.states.take(rid)
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -223,6 +231,8 @@ class KVCacheManager:
         self._num_hashed.pop(request.request_id, None)
         self._num_dropped.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        if self.states is not None:
+            self.states.release(request.request_id)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
         # NOTE: a block is registered when it is scheduled to be filled, before the step runs;
@@ -257,3 +267,6 @@ class KVCacheManager:
             )
         assert self._num_dropped.keys() <= self.req_blocks.keys(), "a dropped table is gone"
         assert self.sliding_window is not None or not self._num_dropped, "dropped, no window"
+        if self.states is not None:
+            self.states.check_integrity()
+            assert self.states.holders() <= self.req_blocks.keys(), "a state slot outlives blocks"

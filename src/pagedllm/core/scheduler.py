@@ -37,6 +37,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int | None = None
+    state_slot: int = -1  # its linear-attention state slot (a hybrid model), else -1
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +91,7 @@ class Scheduler:
             cache.block_size,
             cache.enable_prefix_caching,
             cache.sliding_window,
+            cache.num_state_slots,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -112,6 +114,8 @@ class Scheduler:
 
     def add_beam_group(self, group: BeamGroup) -> None:
         width, cfg = group.params.beam_width, self.config
+        if self.kv.states is not None:  # a beam would need its parent's recurrent state
+            raise ValueError("beam search is not supported on hybrid (linear-attention) models")
         if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
             raise ValueError(f"beam_width {width} exceeds max_num_seqs or max_num_batched_tokens")
         self.check_fits(len(group.prompt_token_ids), group.params.max_tokens, width)
@@ -256,6 +260,9 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed=request.seed,
+                state_slot=-1
+                if self.kv.states is None
+                else self.kv.states.slot(request.request_id),
             )
         )
 

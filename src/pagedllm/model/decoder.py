@@ -30,6 +30,7 @@ from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 from pagedllm.model import decoder_kernel
+from pagedllm.model.gdn_block import GdnAttention, GdnStep, GdnWeights, gdn_forward, gdn_weights
 from pagedllm.model.mla import MlaAttention, MlaWeights, mla_forward, mla_weights
 from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weights
 
@@ -50,7 +51,8 @@ class Attention(nn.Module):
         super().__init__()
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
+        gate = q_size if cfg.hybrid else 0  # gated attention: q_proj's per-head output gates
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size + gate, cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm is not None:  # over each head, or over the whole projection
             per_head = cfg.qk_norm == "head"
@@ -84,8 +86,10 @@ NORMS = {
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn: Attention | MlaAttention = (
-            Attention(cfg) if cfg.mla is None else MlaAttention(cfg)
+        self.self_attn: Attention | MlaAttention | GdnAttention = (
+            (Attention(cfg) if cfg.mla is None else MlaAttention(cfg))
+            if not cfg.hybrid or not cfg.hybrid.layer_linear[index]
+            else GdnAttention(cfg)
         )
         moe = cfg.moe if cfg.layer_moe and cfg.layer_moe[index] else None
         self.mlp: MLP | MoeBlock = MLP(cfg) if moe is None else MoeBlock(cfg, moe)
@@ -116,6 +120,7 @@ class LayerWeights(NamedTuple):
     rope: int | None  # index of its rotation in ForwardContext.rotary; None: NoPE
     moe: MoeWeights | None = None  # a mixture of experts in place of the MLP
     mla: MlaWeights | None = None  # multi-head latent attention in place of q/k/v
+    gdn: GdnWeights | None = None  # Gated-DeltaNet linear attention in place of attention
 
 
 class ForwardContext(NamedTuple):
@@ -127,6 +132,7 @@ class ForwardContext(NamedTuple):
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
     attn_metadata: Any
+    gdn: GdnStep | None = None  # a hybrid model's linear-attention states (model/gdn_block.py)
 
 
 class CausalLM(nn.Module):
@@ -181,8 +187,8 @@ class CausalLM(nn.Module):
         for i, l in enumerate(self.decoder_layers()):  # noqa: E741
             # an MlaAttention where the model has latent attention (read by mla_weights only)
             attn, mlp = cast(Attention, l.self_attn), l.mlp
-            qk = cfg.qk_norm is not None
-            mla = None
+            gdn = gdn_weights(l.self_attn, w, i, cfg.hybrid)  # None: not a linear layer
+            qk, mla = cfg.qk_norm is not None and gdn is None, None
             if cfg.mla is not None:
                 mla = mla_weights(cast(MlaAttention, attn), cfg.mla, w, f"layers.{i}.self_attn")
             dense = isinstance(mlp, MLP)
@@ -192,8 +198,8 @@ class CausalLM(nn.Module):
             self.layer_weights.append(
                 LayerWeights(
                     l.norm("input_layernorm"),
-                    None if mla else w(f"layers.{i}.self_attn.qkv_proj.weight"),
-                    None if mla else attn.qkv_proj.bias,
+                    None if mla or gdn else w(f"layers.{i}.self_attn.qkv_proj.weight"),
+                    None if mla or gdn else attn.qkv_proj.bias,
                     attn.q_norm.weight if qk else None,
                     attn.k_norm.weight if qk else None,
                     w(f"layers.{i}.self_attn.o_proj.weight"),
@@ -214,11 +220,12 @@ class CausalLM(nn.Module):
                     cfg.layer_ropes[i],
                     moe,
                     mla,
+                    gdn,
                 )
             )
         embed = w("embed_tokens.weight")
         self._io = (embed, embed if cfg.tie_word_embeddings else w("lm_head.weight"))
-        if cfg.mla is None:  # csrc/decoder.cpp has no latent attention
+        if cfg.mla is None and cfg.hybrid is None:  # csrc/decoder.cpp: attention only
             self._kernel_weights, self._kernel_rows = decoder_kernel.flatten(self)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -279,9 +286,13 @@ class CausalLM(nn.Module):
             eps, scale, m = cfg.rms_norm_eps, w.attn.scale, ctx.attn_metadata
             o = mla_forward(x, w.mla, cfg.mla, eps, rotary, kv_cache, m, scale)
             return _row_parallel(o, w.o_w, w.o_b, self.tp)
+        if w.gdn is not None and cfg.hybrid is not None and ctx.gdn is not None:
+            o = gdn_forward(x, w.gdn, cfg.hybrid, ctx.gdn, cfg.rms_norm_eps)
+            return _row_parallel(o, w.o_w, w.o_b, self.tp)
         n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         assert w.qkv_w is not None
-        # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
+        # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads (then the
+        # q heads' output gates: gated attention)
         qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
         if w.q_norm is not None and w.k_norm is not None:
             q, k = qkv[:, :h], qkv[:, h : h + kvh]
@@ -289,9 +300,11 @@ class CausalLM(nn.Module):
             k.copy_(self._qk_norm(k, w.k_norm, self._kv_replicas))
         if w.rope is not None:  # q and k, in place, in fp32
             cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary[w.rope])
-        q, kv = split_qkv(qkv, h, kvh)
-        o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, w.attn)
-        return _row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, self.tp)
+        q, kv = split_qkv(qkv[:, : h + 2 * kvh], h, kvh)
+        o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, w.attn).reshape(n, h * hd)
+        if cfg.hybrid is not None:  # gated attention: o * sigmoid(gate), per head
+            o = o * torch.sigmoid(qkv[:, h + 2 * kvh :].reshape(n, h * hd))
+        return _row_parallel(o, w.o_w, w.o_b, self.tp)
 
     def _qk_norm(self, t: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
         """RMSNorm of q or k (N, heads, head_dim): per head, or over the whole projection

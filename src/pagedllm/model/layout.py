@@ -11,7 +11,8 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.quant import QuantizedWeight
-from pagedllm.model import moe_layout
+from pagedllm.model import hybrid_layout, moe_layout
+from pagedllm.model.gdn_block import in_proj_sizes
 from pagedllm.model.rope import interleave_rows
 
 if TYPE_CHECKING:
@@ -36,6 +37,13 @@ def target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     """Map a HF tensor name to our parameter name (and fused shard), None to skip it."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if cfg.hybrid is not None:  # Qwen3.5: a vision-language checkpoint's text, linear layers
+        text = hybrid_layout.text_name(name)
+        if text is None:
+            return None
+        if (linear := hybrid_layout.target(text)) is not None:
+            return linear
+        name = text
     if cfg.moe is not None and (moe := moe_layout.target(name)) is not None:
         return moe
     m = _LAYER.match(name)
@@ -63,8 +71,10 @@ def fused_in_checkpoint(name: str) -> bool:
 
 def shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    hybrid = {} if cfg.hybrid is None else {"in_proj": in_proj_sizes(cfg.hybrid)}
     return {
-        "qkv_proj": [q, kv, kv],
+        **hybrid,
+        "qkv_proj": [q, kv, kv] + ([q] if cfg.hybrid else []),  # gated attention's gates
         "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
         **moe_layout.shard_sizes(cfg, cfg.hidden_size),
     }
@@ -79,6 +89,9 @@ def unfuse(
     if t is None:
         return
     ours, shard = t
+    if cfg.hybrid is not None and ours.endswith("qkv_proj.weight") and shard == 0:
+        yield from hybrid_layout.split_gated_q(ours, tensor, cfg)
+        return
     if not fused_in_checkpoint(name):
         yield ours, shard, tensor
         return
@@ -134,6 +147,8 @@ def _interleave_rotary_rows(model: CausalLM, cfg: ModelConfig) -> None:
     q, k = h * hd, kvh * hd
     for layer in model.decoder_layers():
         attn = cast("Attention", layer.self_attn)
+        if not hasattr(attn, "qkv_proj"):  # a linear-attention layer (model/gdn_block.py)
+            continue
         for t in (attn.qkv_proj.weight, attn.qkv_proj.bias):
             if t is None:
                 continue

@@ -270,7 +270,9 @@ def _quantize(model: CausalLM, cfg: ModelConfig, method: str) -> None:
     for i in range(cfg.num_layers):
         sparse = bool(cfg.layer_moe) and cfg.layer_moe[i]
         mlp = _MOE_MLP[: 2 if cfg.moe and cfg.moe.shared_intermediate_size else 0]
-        for proj in (*_attention_linears(cfg), *(mlp if sparse else _DENSE_MLP)):
+        linear = cfg.hybrid is not None and cfg.hybrid.layer_linear[i]
+        attn = ("self_attn.in_proj", "self_attn.o_proj") if linear else _attention_linears(cfg)
+        for proj in (*attn, *(mlp if sparse else _DENSE_MLP)):
             names.append(f"layers.{i}.{proj}.weight")
         if sparse:
             experts += [f"layers.{i}.mlp.{m}.weight" for m in moe_layout.EXPERT_MODULES]

@@ -218,6 +218,8 @@ def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     decode_metadata = getattr(backend, "decode_metadata", None)
     if runner.device.type != "cuda" or config.enforce_eager or decode_metadata is None:
         return None
+    if config.model.hybrid is not None:  # linear-attention state slots: steps run eagerly
+        return None
     from pagedllm.layers.attention.triton_launch import num_decode_splits
     from pagedllm.model.decoder import ForwardContext
 

@@ -18,6 +18,7 @@ from pagedllm.distributed.shard import ShardPlan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.model import arena, load_model
 from pagedllm.model.decoder import ForwardContext
+from pagedllm.model.gdn_block import build_step, new_states, spread_kv_caches
 from pagedllm.model.rope import rotary_table
 from pagedllm.worker import cuda_graphs
 
@@ -39,6 +40,10 @@ class StepPlan:
     eager: bool = False
     # (source, destination) KV blocks to copy first, in every layer (beams' copy-on-write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # a hybrid model: each request's linear-attention state slot, and whether it continues
+    # from it (else it starts from zeros: its first token is position 0)
+    state_slots: list[int] = field(default_factory=list)
+    state_continues: list[bool] = field(default_factory=list)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -79,13 +84,18 @@ class ShardExecutor:
         )
         if mcfg.mla is not None:  # per token: the latent and the rotated key, every rank
             shape = (num_kv_blocks, self.block_size, mcfg.mla.cache_dim)
+        hybrid = mcfg.hybrid  # its linear layers: a state pool each instead of a KV cache
+        num_kv = mcfg.num_layers - (hybrid.num_linear if hybrid else 0)
         if self.device.type == "cpu":  # on huge pages, as the weights
-            self.kv_caches = arena.zeros(shape, config.dtype, mcfg.num_layers)
+            kv_caches = arena.zeros(shape, config.dtype, num_kv)
         else:
-            self.kv_caches = [
-                torch.zeros(shape, dtype=config.dtype, device=self.device)
-                for _ in range(mcfg.num_layers)
+            kv_caches = [
+                torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(num_kv)
             ]
+        self.kv_caches = spread_kv_caches(kv_caches, hybrid)
+        slots = config.cache.num_state_slots
+        self.states = [] if hybrid is None or not slots else new_states(
+            hybrid, slots, config.dtype, self.device)  # fmt: skip
         # one table per rope of the model (ModelConfig.ropes), (max_model_len, head_dim / 2)
         self.rotary = [
             rotary_table(
@@ -133,6 +143,10 @@ class ShardExecutor:
             return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
         metadata = self.backend.build_metadata(step)
         ctx = ForwardContext(self.rotations(step.positions), self.kv_caches, self.backend, metadata)
+        if self.states:  # a hybrid model: the requests' linear-attention state slots
+            gdn = build_step(plan.query_start_loc, plan.state_slots, plan.state_continues,
+                             self.states, self.device)  # fmt: skip
+            ctx = ctx._replace(gdn=gdn)
         return self.model(step.input_ids, ctx, step.logits_indices)
 
     def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:

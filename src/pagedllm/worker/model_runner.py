@@ -83,7 +83,7 @@ class ModelRunner(ShardExecutor):
         max_blocks = max(len(s.block_ids) for s in batch)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch]
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
-        return StepPlan(
+        plan = StepPlan(
             input_ids,
             positions,
             slots,
@@ -93,6 +93,10 @@ class ModelRunner(ShardExecutor):
             num_decodes,
             logits_indices,
         )
+        if self.states:  # a hybrid model's linear-attention state slots
+            plan.state_slots = [s.state_slot for s in batch]
+            plan.state_continues = [s.start_pos > 0 for s in batch]
+        return plan
 
     def prepare_inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
         """`batch`'s step as tensors (decodes first)."""
