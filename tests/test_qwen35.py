@@ -72,6 +72,25 @@ def test_config_reads_both_architectures(arch: str, checkpoints: dict[str, Path]
     assert cfg.kv_bytes_per_token(4) == 2 * 2 * 2 * 32 * 4
 
 
+def test_state_pool_sized_from_the_memory_budget(checkpoints: dict[str, Path]) -> None:
+    """Unless given, state slots take at most half of kv_cache_memory (here fewer than
+    max_num_seqs) and the KV pool gets the rest; the bytes counted are those the runner holds,
+    and only the attention layers hold KV caches."""
+    budget = 100_000
+    llm = LLM(str(checkpoints[ARCHS[0]]), kv_cache_memory=budget, max_num_seqs=8)
+    states, cache = llm.engine.runner.states, llm.engine.config.cache
+    assert len(states) == 2 and cache.num_state_slots is not None
+    per_slot = sum(t.nbytes for s in states for t in (s.conv, s.ssm)) // cache.num_state_slots
+    assert cache.num_state_slots == budget // 2 // per_slot < 8
+    kv = [c for c in llm.engine.runner.kv_caches if c.numel()]
+    assert len(kv) == 2  # layers 1 and 3
+    per_block = sum(c.nbytes for c in kv) // cache.num_kv_blocks
+    assert cache.num_kv_blocks == (budget - cache.num_state_slots * per_slot) // per_block
+    given = LLM(str(checkpoints[ARCHS[0]]), kv_cache_memory=budget, num_state_slots=1)
+    assert given.engine.config.cache.num_state_slots == 1
+    assert given.engine.config.cache.num_kv_blocks == (budget - per_slot) // per_block
+
+
 def test_the_hybrid_parts_change_hf_output() -> None:
     """The linear layers and gated attention count in HF's own logits (else parity could not
     fail for them)."""

@@ -171,11 +171,13 @@ class EngineConfig:
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
         window = CacheConfig.window_of(model.layer_windows) if free_out_of_window_blocks else None
+        state_bytes = 0
         if model.hybrid is not None:  # linear-attention state slots beside the KV pool
             if tensor_parallel_size > 1:
                 raise ConfigError(f"{model.architecture}: no tensor parallelism yet")
-            num_state_slots, kv_cache_memory = hybrid_config.size_state_pool(
-                model.hybrid, num_state_slots, max_num_seqs, kv_cache_memory, torch_dtype.itemsize
+            budget = None if device.startswith("cuda") else kv_cache_memory
+            num_state_slots, state_bytes = hybrid_config.size_state_pool(
+                model.hybrid, num_state_slots, max_num_seqs, budget, torch_dtype.itemsize
             )
             enable_prefix_caching = hybrid_config.prefix_caching(
                 enable_prefix_caching, model.architecture
@@ -194,6 +196,7 @@ class EngineConfig:
                 gpu_memory_utilization,
                 tensor_parallel_size,
                 sliding_window=window,
+                reserved_bytes=state_bytes,
             )
         cache = CacheConfig(
             block_size, num_kv_blocks, enable_prefix_caching, window, num_state_slots

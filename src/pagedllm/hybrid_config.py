@@ -96,17 +96,19 @@ def size_state_pool(
     hybrid: HybridConfig,
     num_state_slots: int | None,
     max_num_seqs: int,
-    kv_cache_memory: int,
+    budget: int | None,
     dtype_size: int,
 ) -> tuple[int, int]:
-    """(state slots, the memory left for the KV pool). Unless given, one slot per sequence the
-    scheduler may run (`max_num_seqs`), but at most as many as half the memory budget holds (a
-    request beyond them waits for a slot, as for KV blocks)."""
+    """(state slots, their bytes: reserved out of the KV pool's memory). Unless given, one slot
+    per sequence the scheduler may run (`max_num_seqs`), capped on a CPU at what half of its
+    `budget` (kv_cache_memory) holds; a request beyond them waits for a slot, as for blocks."""
     per_slot = hybrid.state_bytes_per_slot(dtype_size)
-    slots = num_state_slots or max(1, min(max_num_seqs, kv_cache_memory // 2 // per_slot))
+    slots = num_state_slots or max_num_seqs
+    if num_state_slots is None and budget is not None:
+        slots = max(1, min(slots, budget // 2 // per_slot))
     if slots < 1:
         raise ConfigError(f"num_state_slots must be >= 1, got {slots}")
-    return slots, max(0, kv_cache_memory - slots * per_slot)
+    return slots, slots * per_slot
 
 
 def prefix_caching(enabled: bool, arch: str) -> bool:

@@ -62,11 +62,13 @@ def num_kv_blocks(
     gpu_memory_utilization: float,
     tensor_parallel_size: int = 1,
     sliding_window: int | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Enough blocks for every sequence at full length, capped by the memory budget: on a CUDA
     device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes. With
     `sliding_window` (every layer's: blocks out of it are freed) a sequence holds at most its
-    window before a chunk of `batched_tokens`, the chunk, and one block of misalignment."""
+    window before a chunk of `batched_tokens`, the chunk, and one block of misalignment.
+    `reserved_bytes` of the budget go elsewhere (a hybrid model's state slots)."""
     world = tensor_parallel_size
     if device.startswith("cuda"):
         # an engine closed in this process leaves its pool cached by torch: count it free
@@ -88,7 +90,8 @@ def num_kv_blocks(
         per_seq = min(per_seq, -(-(sliding_window - 1 + batched_tokens) // block_size) + 1)
     # a rank's KV heads (replicated past them), or latent attention's one row, per KV layer
     bytes_per_block = block_size * model.kv_bytes_per_token(dtype.itemsize, world)
-    return max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))
+    usable = max(0, kv_cache_memory - reserved_bytes)
+    return max(1, min(per_seq * max_num_seqs, usable // bytes_per_block))
 
 
 def _bytes_per_weight(quantization: str | None, dtype: torch.dtype) -> float:
