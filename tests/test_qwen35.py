@@ -151,6 +151,28 @@ def test_logprobs_within_1e4(checkpoints: dict[str, Path], oracle: Any) -> None:
         check_request(oracle, out, p)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_tensor_parallel_ranks(
+    arch: str, checkpoints: dict[str, Path], expected: list[list[int]]
+) -> None:
+    """Two ranks, each with half of the attention heads and of the linear layers' key and
+    value heads (and its half of every request's state): HF's greedy tokens, with chunked
+    prefill and few state slots."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    with LLM(
+        str(checkpoints[arch]),
+        device="cpu",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+        block_size=4,
+        num_state_slots=3,
+    ) as llm:
+        # rank 0's state pools: 2 of the 4 value heads, 3 slots
+        assert [tuple(s.ssm.shape) for s in llm.engine.runner.states] == [(3, 2, 16, 16)] * 2
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_weight_quantization(method: str, checkpoints: dict[str, Path]) -> None:
     """Weights quantized at load, the linear layers' in/out projections too: HF's greedy

@@ -173,8 +173,6 @@ class EngineConfig:
         window = CacheConfig.window_of(model.layer_windows) if free_out_of_window_blocks else None
         state_bytes = 0
         if model.hybrid is not None:  # linear-attention state slots beside the KV pool
-            if tensor_parallel_size > 1:
-                raise ConfigError(f"{model.architecture}: no tensor parallelism yet")
             budget = None if device.startswith("cuda") else kv_cache_memory
             num_state_slots, state_bytes = hybrid_config.size_state_pool(
                 model.hybrid, num_state_slots, max_num_seqs, budget, torch_dtype.itemsize

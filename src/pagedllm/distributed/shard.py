@@ -15,6 +15,10 @@ KV head is replicated on `world / num_kv_heads` ranks (each rank then holds one)
 Latent attention (model/mla.py) splits its heads: q_b_proj (or q_proj) and kv_b_proj by rows
 per head, o_proj by columns; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so
 every rank computes and caches the same latent.
+
+A hybrid's Gated-DeltaNet layers (model/gdn_block.py) split by heads too: the fused input
+projection's q/k shards by key heads, v/z/b/a by value heads, the conv channels with them,
+o_proj by columns; so each rank keeps its heads' share of every request's state.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def _why_not(cfg: ModelConfig, world: int) -> str | None:
     moe = cfg.moe
     if moe is not None and moe.intermediate_size % world:
         return f"its experts' width {moe.intermediate_size} does not split {world} ways"
+    hybrid = cfg.hybrid
+    if hybrid is not None and (hybrid.key_heads % world or hybrid.value_heads % world):
+        return f"its linear-attention heads ({hybrid.key_heads} / {hybrid.value_heads}) do not split {world} ways"
     if moe is not None and moe.shared_intermediate_size % world:
         return (
             f"its shared expert's width {moe.shared_intermediate_size} does not split {world} ways"
@@ -55,6 +62,14 @@ def _mla_widths(cfg: ModelConfig) -> tuple[int, int, int] | None:
     if mla is None:
         return None
     return mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim, mla.v_head_dim
+
+
+def _gdn(cfg: ModelConfig, world: int) -> tuple[int, int, int, int, frozenset[int]] | None:
+    h = cfg.hybrid
+    if h is None:
+        return None
+    layers = frozenset(i for i, linear in enumerate(h.layer_linear) if linear)
+    return h.key_heads // world, h.value_heads // world, h.key_dim, h.value_dim, layers
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,9 @@ class ShardPlan:
     # latent attention: per head, the rows of q_b_proj / q_proj and of kv_b_proj, and
     # o_proj's input columns (None: no latent attention)
     mla_widths: tuple[int, int, int] | None = None
+    # a hybrid's linear layers (model/gdn_block.py): local key heads, local value heads, key
+    # and value head dims, and which layers they are (None: no linear layers)
+    gdn: tuple[int, int, int, int, frozenset[int]] | None = None
 
     @staticmethod
     def create(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
@@ -100,6 +118,7 @@ class ShardPlan:
             expert_intermediate=cfg.moe.intermediate_size // world if cfg.moe else 0,
             shared_intermediate=cfg.moe.shared_intermediate_size // world if cfg.moe else 0,
             mla_widths=_mla_widths(cfg),
+            gdn=_gdn(cfg, world),
         )
 
     def _mla_slice(self, module: str, kind: str) -> tuple[int, int, int] | None:
@@ -108,6 +127,24 @@ class ShardPlan:
             module, (1, v) if module == "o_proj" and kind == "weight" else (0, 0)
         )
         return (dim, self.rank * self.num_heads * width, self.num_heads * width) if width else None
+
+    def _gdn_slice(self, parts: list[str], shard: int | None) -> tuple[int, int, int] | None:
+        """A linear layer's parameter: the in_proj / conv shards' rows of this rank's heads,
+        its per-value-head decay parameters, o_proj's matching columns; the gated norm's weight
+        (per value dim) is replicated."""
+        assert self.gdn is not None
+        hk, hv, dk, dv, layers = self.gdn
+        module, kind = parts[-2], parts[-1]
+        if len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) not in layers:
+            return None
+        width = None
+        if module in ("in_proj", "conv1d") and shard is not None:
+            width = [hk * dk, hk * dk, hv * dv, hv * dv, hv, hv][shard]
+        elif kind in ("dt_bias", "A_log"):
+            width = hv
+        elif module == "o_proj" and kind == "weight":
+            return 1, self.rank * hv * dv, hv * dv
+        return None if width is None else (0, self.rank * width, width)
 
     @property
     def vocab_start(self) -> int:
@@ -127,6 +164,12 @@ class ShardPlan:
             intermediate_size=self.intermediate,
             vocab_size=self.vocab_rows,
             moe=moe,
+            hybrid=cfg.hybrid
+            and dataclasses.replace(
+                cfg.hybrid,
+                key_heads=cfg.hybrid.key_heads // self.world,
+                value_heads=cfg.hybrid.value_heads // self.world,
+            ),
         )
 
     def slice_of(
@@ -140,12 +183,14 @@ class ShardPlan:
         module, kind = parts[-2], parts[-1]
         if self.mla_widths is not None and (per_head := self._mla_slice(module, kind)):
             return per_head
+        if self.gdn is not None and (per_head := self._gdn_slice(parts, shard)):
+            return per_head
         if module == "q_norm" and qk_norm == "proj":
             shard = 0
         elif module == "k_norm" and qk_norm == "proj":
             shard = 1
         if module == "qkv_proj" or (module in ("q_norm", "k_norm") and qk_norm == "proj"):
-            if shard == 0:
+            if shard in (0, 3):  # q heads' rows, or (gated attention) their gates'
                 return 0, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
             return 0, self.kv_head_start * head_dim, self.num_kv_heads * head_dim
         # column-parallel: this rank's rows of each shard (of each expert's, per expert)

@@ -12,7 +12,6 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.layers.quant import QuantizedWeight
 from pagedllm.model import hybrid_layout, moe_layout
-from pagedllm.model.gdn_block import in_proj_sizes
 from pagedllm.model.rope import interleave_rows
 
 if TYPE_CHECKING:
@@ -62,16 +61,18 @@ def target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     return name, None
 
 
-def fused_in_checkpoint(name: str) -> bool:
+def fused_in_checkpoint(name: str, cfg: ModelConfig | None = None) -> bool:
     """A q/k/v or gate/up projection stored fused (Phi-3), or every expert's projection in one
-    tensor."""
+    tensor, or (`cfg` a hybrid's) what hybrid_layout reads whole."""
+    if cfg is not None and cfg.hybrid is not None and hybrid_layout.read_whole(name):
+        return True
     m = _LAYER.match(name)
     return (m is not None and m.group(3) in FUSED_IN_CHECKPOINT) or moe_layout.stacked(name)
 
 
 def shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    hybrid = {} if cfg.hybrid is None else {"in_proj": in_proj_sizes(cfg.hybrid)}
+    hybrid = {} if cfg.hybrid is None else hybrid_layout.shard_sizes(cfg.hybrid)
     return {
         **hybrid,
         "qkv_proj": [q, kv, kv] + ([q] if cfg.hybrid else []),  # gated attention's gates
@@ -89,8 +90,8 @@ def unfuse(
     if t is None:
         return
     ours, shard = t
-    if cfg.hybrid is not None and ours.endswith("qkv_proj.weight") and shard == 0:
-        yield from hybrid_layout.split_gated_q(ours, tensor, cfg)
+    if cfg.hybrid is not None and (parts := hybrid_layout.split(ours, shard, tensor, cfg)):
+        yield from parts
         return
     if not fused_in_checkpoint(name):
         yield ours, shard, tensor

@@ -117,7 +117,7 @@ def load_model(
         tensors = iter_checkpoint(weight_files(Path(model_dir)), select)
         for hf_name, tensor in tensors:
             for ours, shard, part in layout.unfuse(hf_name, tensor, full):
-                where = slicer and layout.fused_in_checkpoint(hf_name) and slicer(ours, shard)
+                where = slicer and layout.fused_in_checkpoint(hf_name, full) and slicer(ours, shard)
                 if where:  # a fused tensor is read whole: this rank's part of its shard
                     dim, start, length = where
                     part = part.narrow(dim, start, length).contiguous()
@@ -208,7 +208,7 @@ def _fill_from_gguf(
 def _by_hf_name(slicer: Slicer, cfg: ModelConfig) -> Select:
     def select(name: str) -> Part:
         target = layout.target(name, cfg)
-        if target is None or layout.fused_in_checkpoint(name):
+        if target is None or layout.fused_in_checkpoint(name, cfg):
             return None
         return slicer(*target)
 

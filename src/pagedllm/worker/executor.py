@@ -84,7 +84,7 @@ class ShardExecutor:
         )
         if mcfg.mla is not None:  # per token: the latent and the rotated key, every rank
             shape = (num_kv_blocks, self.block_size, mcfg.mla.cache_dim)
-        hybrid = mcfg.hybrid  # its linear layers: a state pool each instead of a KV cache
+        hybrid = local.hybrid  # its linear layers: a state pool each instead of a KV cache
         num_kv = mcfg.num_layers - (hybrid.num_linear if hybrid else 0)
         if self.device.type == "cpu":  # on huge pages, as the weights
             kv_caches = arena.zeros(shape, config.dtype, num_kv)
