@@ -105,7 +105,7 @@ def size_state_pool(
     per_slot = hybrid.state_bytes_per_slot(dtype_size)
     slots = num_state_slots or max_num_seqs
     if num_state_slots is None and budget is not None:
-        slots = max(1, min(slots, budget // 2 // per_slot))
+        slots = max(1, min(slots, budget // 2 // max(1, per_slot)))
     if slots < 1:
         raise ConfigError(f"num_state_slots must be >= 1, got {slots}")
     return slots, slots * per_slot
