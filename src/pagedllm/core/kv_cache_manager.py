@@ -226,6 +226,10 @@ class KVCacheManager:
         self._num_dropped[request_id] = num_out
         self.num_window_freed += n
 
+    def state_slot(self, request_id: str) -> int:
+        """The request's linear-attention state slot; -1 on a model without them."""
+        return -1 if self.states is None else self.states.slot(request_id)
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)

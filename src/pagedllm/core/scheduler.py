@@ -260,9 +260,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed=request.seed,
-                state_slot=-1
-                if self.kv.states is None
-                else self.kv.states.slot(request.request_id),
+                state_slot=self.kv.state_slot(request.request_id),
             )
         )
 
