@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from test_contract import generate
+from test_trtllm_bls import prepare_inputs, run_inference
 
 from pagedllm import LLM
 from pagedllm.beam_search import BeamSearchParams
@@ -97,3 +98,36 @@ def test_what_beams_cannot_serve_is_refused(
 ) -> None:
     with pytest.raises(RuntimeError, match=message):
         generate(server, values(**extra))
+
+
+# a prompt where the tiny checkpoint's beams of width 2 end in its EOS: with early_stopping
+# True the search stops after 6 tokens, with False it runs to 10 (`LLM.beam_search` is HF's
+# there: tests/test_beam_early_stopping.py)
+EOS_PROMPT = "cndwrublnhddr"
+
+
+def offline_beams(llm: LLM, stop: bool | None) -> list[tuple[list[int], float]]:
+    params = BeamSearchParams(2, 10, early_stopping=stop)
+    (out,) = llm.beam_search([EOS_PROMPT], params)
+    n = len(llm.engine.tokenizer.encode(EOS_PROMPT))
+    return [(s.tokens[n:], s.cum_logprob) for s in out.sequences]
+
+
+def test_early_stopping_is_served(server: TritonServer, llm: LLM) -> None:
+    """TensorRT-LLM's `early_stopping` (BOOL) runs HF's rule with that stop, on `ensemble` and
+    `tensorrt_llm_bls` (end_to_end_grpc_client.py's request, `early_stopping` added)."""
+    got = {}
+    for stop in (True, False, None):
+        beams = offline_beams(llm, stop)
+        got[stop] = [ids for ids, _ in beams]
+        extra = {} if stop is None else {"early_stopping": stop}
+        inputs = {"text_input": EOS_PROMPT, "max_tokens": 10, "beam_width": 2, **extra}
+        (response,) = generate(server, {**inputs, "return_log_probs": True})
+        check_beams(llm, response, beams, EOS_PROMPT)
+        bls = {k: np.array([[v]]) for k, v in extra.items()}
+        bls["beam_width"] = np.array([[2]], dtype=np.int32)
+        (result,) = run_inference(server, prepare_inputs(EOS_PROMPT, 10, False, **bls))
+        texts = [t.decode() for t in result.as_numpy("text_output")]
+        assert texts == [EOS_PROMPT + llm.engine.tokenizer.decode(ids) for ids, _ in beams]
+    assert max(len(ids) for ids in got[True]) == 6  # the setup's point: the stops differ
+    assert got[True] != got[False] != got[None]
