@@ -275,7 +275,7 @@ def _structured(get: Getter, values: dict[str, Any]) -> None:
         raise RequestError(str(e)) from None
 
 
-def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float, bool | None]:
+def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float, bool | str | None]:
     """TensorRT-LLM's inputs that have no SamplingParams field of their own; returns the
     beam width, length penalty and early stopping (None: not sent)."""
 
@@ -304,6 +304,11 @@ def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float, bool | Non
     length_penalty = read("length_penalty")  # scores beams only: nothing to do with one
     if length_penalty is not None and not np.isfinite(float(length_penalty)):
         raise RequestError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    stop = read("early_stopping")  # ends beams only: nothing to do with one
-    early_stopping = None if stop is None else _flag("early_stopping", stop)
+    # ends beams only: nothing to do with one. The tensor is TensorRT-LLM's (BOOL); the
+    # sampling_parameters key is vLLM's former SamplingParams field (a bool, or "never")
+    stop, tensor = values.pop("early_stopping", None), read("early_stopping")
+    stop = stop if tensor is None else tensor
+    early_stopping: bool | str | None = stop
+    if stop is not None and stop != "never":
+        early_stopping = _flag("early_stopping", stop)
     return int(beam_width), 1.0 if length_penalty is None else float(length_penalty), early_stopping
