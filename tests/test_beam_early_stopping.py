@@ -24,6 +24,15 @@ EOS, WIDTH, STEPS = 183, 2, 10
 MODES: list[bool | str] = [True, False, "never"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """NOTE: on two shared cores, two OpenMP threads made HF's beam search ~20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the weights of test_beam_search's checkpoint (seed 0), EOS a token its beams propose
@@ -126,3 +135,60 @@ def test_rule() -> None:
         BeamSearchParams(2, 4, early_stopping="sometimes")
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(2, 4, early_stopping=True, temperature=1.0)
+
+
+def test_chunked_prefill_and_prefix_hits(ckpt: Path, hf: Any) -> None:
+    """The same answers with the prompt prefilled in chunks of 3 tokens, then again from the
+    prefix cache."""
+    tokens = prompt()
+    knobs = dict(num_kv_blocks=128, block_size=4, max_num_batched_tokens=3)
+    with LLM(str(ckpt), dtype="float32", device="cpu", **knobs) as chunked:
+        for mode in MODES:
+            ref = hf_search(hf, tokens, mode, 1.0, WIDTH).sequences
+            for _ in range(2):  # the second hits the first's blocks
+                params = BeamSearchParams(WIDTH, STEPS, early_stopping=mode)
+                (out,) = chunked.beam_search([{"prompt_token_ids": tokens}], params)
+                assert as_rows(out.sequences, ref.shape[1]) == ref.tolist(), mode
+        assert chunked.engine.scheduler.kv.prefix_hits > 0
+
+
+@pytest.mark.slow
+def test_smollm2_equal_to_hf() -> None:
+    """The real default model, its chat EOS (<|im_end|>) ending beams: early_stopping True
+    stops after 9 tokens, False runs to 12 with other beams."""
+    import transformers
+
+    from pagedllm.prepare import prepare_smollm2
+
+    path = prepare_smollm2()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "user", "content": "Say yes or no: is the sky blue?"}]
+    ids = list(
+        tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+    )
+    eos = tok.eos_token_id
+    with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16) as llm:
+        rows = {}
+        for mode in (True, False):
+            with torch.no_grad():
+                ref = model.eval().generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    num_beams=3,
+                    num_return_sequences=3,
+                    max_new_tokens=12,
+                    do_sample=False,
+                    early_stopping=mode,
+                    pad_token_id=eos,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+            params = BeamSearchParams(3, 12, early_stopping=mode)
+            (out,) = llm.beam_search([{"prompt_token_ids": ids}], params)
+            width = ref.sequences.shape[1]
+            rows[mode] = [s.tokens + [eos] * (width - len(s.tokens)) for s in out.sequences]
+            assert rows[mode] == ref.sequences.tolist()
+            ours = [s.cum_logprob / (len(s.tokens) - len(ids)) for s in out.sequences]
+            assert ours == pytest.approx(ref.sequences_scores.tolist(), abs=1e-3)
+        assert rows[True] != rows[False]
