@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_beam_search import hf_beams
 
 from conftest import hf_model, make_checkpoint, random_prompts
 from pagedllm import LLM
@@ -57,21 +58,7 @@ def prompt() -> list[int]:
 
 
 def hf_search(hf: Any, tokens: list[int], early_stopping: bool | str, lp: float, n: int) -> Any:
-    with torch.no_grad():
-        return hf.generate(
-            torch.tensor([tokens]),
-            attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-            num_beams=WIDTH,
-            num_return_sequences=n,
-            max_new_tokens=STEPS,
-            do_sample=False,
-            early_stopping=early_stopping,
-            length_penalty=lp,
-            eos_token_id=EOS,
-            pad_token_id=EOS,  # what follows an EOS in HF's rows
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+    return hf_beams(hf, tokens, WIDTH, STEPS, lp, early_stopping, EOS, n)
 
 
 def as_rows(seqs: list[BeamSearchSequence], width: int) -> list[list[int]]:
@@ -171,19 +158,7 @@ def test_smollm2_equal_to_hf() -> None:
     with LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=16) as llm:
         rows = {}
         for mode in (True, False):
-            with torch.no_grad():
-                ref = model.eval().generate(
-                    torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    num_beams=3,
-                    num_return_sequences=3,
-                    max_new_tokens=12,
-                    do_sample=False,
-                    early_stopping=mode,
-                    pad_token_id=eos,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
+            ref = hf_beams(model.eval(), ids, 3, 12, 1.0, mode, eos)
             params = BeamSearchParams(3, 12, early_stopping=mode)
             (out,) = llm.beam_search([{"prompt_token_ids": ids}], params)
             width = ref.sequences.shape[1]
