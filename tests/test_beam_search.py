@@ -33,19 +33,29 @@ def make_llm(path: Path, **knobs: Any) -> LLM:
     return LLM(str(path), **{**args, **knobs})
 
 
-def hf_beams(hf: Any, prompt: list[int], width: int, steps: int, lp: float) -> Any:
+def hf_beams(
+    hf: Any,
+    prompt: list[int],
+    width: int,
+    steps: int,
+    lp: float,
+    early_stopping: bool | str = "never",
+    eos: int | None = None,  # None: no EOS, where vLLM's rule and HF's agree
+    n: int | None = None,
+) -> Any:
+    """HF's beam search: `n` (default `width`) rows, padded with EOS after one."""
     with torch.no_grad():
         return hf.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             num_beams=width,
-            num_return_sequences=width,
+            num_return_sequences=n or width,
             max_new_tokens=steps,
             do_sample=False,
-            early_stopping="never",
+            early_stopping=early_stopping,
             length_penalty=lp,
-            eos_token_id=None,  # no EOS: the two rules agree
-            pad_token_id=1,
+            eos_token_id=eos,
+            pad_token_id=1 if eos is None else eos,
             output_scores=True,
             return_dict_in_generate=True,
         )

@@ -6,6 +6,7 @@ sampling parameter is sent. The adapter's rules are checked offline first
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 from collections.abc import Iterator
@@ -15,9 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 import server_metrics
+from test_beam_serving import EOS_PROMPT
 from test_trtllm_bls import PROMPT, aborted, greedy
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.serving.codec import RequestError
 from pagedllm.serving.tritonserver import TritonServer
 from pagedllm.serving.trtllm_llmapi import LlmApiModel, Run
@@ -31,14 +34,40 @@ def test_llmapi_request_defaults_and_refusals(checkpoints: dict[str, Path]) -> N
     assert request.inputs["max_tokens"].tolist() == [32]  # the LLM API's default
     assert request.inputs["temperature"].tolist() == [0.0]
     for extra, message in [
-        ({"sampling_param_best_of": np.array([2], dtype=np.int32)}, "best_of must be 1"),
+        ({"sampling_param_best_of": np.array([2], dtype=np.int32)}, "needs sampling_param_use"),
+        (
+            {"sampling_param_n": np.array([3], dtype=np.int32), **use_beams(2)},
+            r"sampling_param_n \(3\) <=",
+        ),
+        ({"beam_width": np.array([3], dtype=np.int32), **use_beams(2)}, "disagree"),
         ({"sampling_param_return_perf_metrics": np.array([True])}, "not supported"),
         ({"text_input": np.array([], dtype=object)}, "text_input is missing"),
     ]:
         with pytest.raises(RequestError, match=message):
             model.request({**text, **extra}.get)
+    # the LLM API's beams: width best_of (or n), the n best returned; TensorRT-LLM's beam_width
+    beams = model.request({**text, **use_beams(3), "sampling_param_n": np.array([2], np.int32)}.get)
+    assert beams.inputs["beam_width"].tolist() == [3] and beams.n == 2
+    alias = model.request({**text, "beam_width": np.array([4], dtype=np.int32)}.get)
+    assert alias.inputs["beam_width"].tolist() == [4] and alias.n == 1
+    for value, mode in [(1, True), (0, False), (2, "never")]:
+        stop = {"sampling_param_early_stopping": np.array([value], dtype=np.int32)}
+        inputs = model.request({**text, **use_beams(2), **stop}.get).inputs
+        assert json.loads(inputs["sampling_parameters"][0]) == {"early_stopping": mode}
+    sampled = model.request({**text, "sampling_param_n": np.array([2], dtype=np.int32)}.get)
+    assert (
+        sampled.inputs["num_return_sequences"].tolist() == [2]
+        and "beam_width" not in sampled.inputs
+    )
     assert model.stop("").error == "A request id must be provided for request cancellation"
     assert model.stop("nobody").code == "CANCELLED"  # stopping nothing is answered alike
+
+
+def use_beams(width: int) -> dict[str, np.ndarray]:
+    return {
+        "sampling_param_use_beam_search": np.array([True]),
+        "sampling_param_best_of": np.array([width], dtype=np.int32),
+    }
 
 
 # --- tensorrt_llm (the LLM-API model) -----------------------------------------------------------
@@ -227,3 +256,50 @@ def test_stop_by_request_id_can_be_turned_off(checkpoints: dict[str, Path]) -> N
         assert victim.stopped is stopped
         assert (answer.code == "CANCELLED") is allow
         assert allow or "stop by request id is turned off" in (answer.error or "")
+
+
+def test_llmapi_beam_search(server: TritonServer, llm: LLM) -> None:
+    """The LLM API's beam search (use_beam_search, best_of = width, n returned) and
+    TensorRT-LLM's `beam_width`: `text_output` [n], the best n beams of `LLM.beam_search`,
+    with their finish reasons and cumulative log-probs; `early_stopping` 1 / 0 / 2 as
+    TensorRT-LLM's (HF's True / False / "never") on a prompt whose beams end in EOS."""
+    import tritonclient.grpc as grpcclient
+
+    def infer(prompt: str, max_tokens: int, **extra: np.ndarray) -> Any:
+        flags = {f: np.array([True]) for f in ("return_finish_reason", "return_cumulative_logprob")}
+        inputs = llmapi_inputs(prompt, max_tokens)
+        inputs += [llmapi_tensor(k, v) for k, v in {**extra, **flags}.items()]
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            return client.infer("tensorrt_llm", inputs)
+
+    def expected(prompt: str, params: BeamSearchParams, n: int) -> list[Any]:
+        (out,) = llm.beam_search([prompt], params)
+        return out.sequences[:n]
+
+    def texts(prompt: str, seqs: list[Any]) -> list[bytes]:
+        skip = len(llm.engine.tokenizer.encode(prompt))
+        return [(prompt + llm.engine.tokenizer.decode(s.tokens[skip:])).encode() for s in seqs]
+
+    best = expected(PROMPT, BeamSearchParams(3, 16), 2)
+    result = infer(PROMPT, 16, **use_beams(3), sampling_param_n=np.array([2], dtype=np.int32))
+    assert result.as_numpy("text_output").tolist() == texts(PROMPT, best)
+    reasons = [s.finish_reason.encode() for s in best]
+    assert result.as_numpy("finish_reason").tolist() == reasons
+    cums = [s.cum_logprob for s in best]
+    np.testing.assert_allclose(result.as_numpy("cumulative_logprob"), cums, atol=1e-4)
+    result = infer(PROMPT, 16, beam_width=np.array([3], dtype=np.int32))  # n = 1: the best
+    assert result.as_numpy("text_output").tolist() == texts(PROMPT, best[:1])
+    answers = {}
+    for value, mode in [(1, True), (0, False), (2, "never")]:
+        seqs = expected(EOS_PROMPT, BeamSearchParams(2, 10, early_stopping=mode), 2)
+        stop = np.array([value], dtype=np.int32)
+        result = infer(
+            EOS_PROMPT,
+            10,
+            **use_beams(2),
+            sampling_param_n=np.array([2], dtype=np.int32),
+            sampling_param_early_stopping=stop,
+        )
+        answers[value] = result.as_numpy("text_output").tolist()
+        assert answers[value] == texts(EOS_PROMPT, seqs)
+    assert answers[1] != answers[0]  # the setup's point: the stops differ

@@ -23,7 +23,9 @@ Candidate = tuple[int, int, float]
 @dataclass
 class BeamSearchParams:
     """vLLM's names and defaults. `include_stop_str_in_output` is accepted as vLLM's offline
-    API accepts it: `LLM.beam_search` returns the whole sequence as text either way."""
+    API accepts it: `LLM.beam_search` returns the whole sequence as text either way.
+    `early_stopping` (not vLLM's): None keeps vLLM's rule; True, False or "never" runs HF's
+    (and TensorRT-LLM's) rule with that stop (`pagedllm.beam_hf`)."""
 
     beam_width: int
     max_tokens: int
@@ -31,6 +33,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    early_stopping: bool | str | None = None
 
     def __post_init__(self) -> None:
         self.beam_width = int(self.beam_width)
@@ -47,6 +50,13 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        stop = self.early_stopping
+        if not (stop is None or isinstance(stop, bool) or stop == "never"):
+            raise ValueError(
+                f'early_stopping must be True, False or "never", got {self.early_stopping!r}'
+            )
+        if self.early_stopping is not None and self.temperature > 0:
+            raise ValueError("early_stopping (HF's rule) ranks by log-probs: temperature must be 0")
 
     @property
     def num_candidates(self) -> int:

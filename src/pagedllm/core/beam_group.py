@@ -21,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.beam_hf import Hypotheses, hf_num_candidates, hf_select
 from pagedllm.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
     BeamSearchSequence,
+    Candidate,
     get_beam_search_score,
     select_candidates,
 )
@@ -65,6 +67,8 @@ class BeamGroup:
     pending: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     num_steps: int = 0
     finished: bool = False
+    # HF's finished hypotheses and stop test, with `params.early_stopping` (else vLLM's rule)
+    hyps: Hypotheses | None = None
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
 
     @staticmethod
@@ -79,20 +83,27 @@ class BeamGroup:
         """One root beam over the prompt; its sampling asks for the candidates' log-probs.
         Raises ValueError for token ids outside the vocabulary or too wide a beam."""
         prompt = [int(t) for t in prompt_token_ids]
-        if params.num_candidates > max_logprobs:  # each beam's candidates are log-probs
-            raise ValueError(f"beam_width must be at most {max_logprobs // 2}")
+        eos = frozenset() if params.ignore_eos else frozenset(model.eos_token_ids)
+        hyps, num_candidates = None, params.num_candidates
+        if params.early_stopping is not None:  # HF's rule (`pagedllm.beam_hf`)
+            num_candidates = hf_num_candidates(params.beam_width, len(eos))
+            hyps = Hypotheses(
+                params.beam_width, params.length_penalty, params.early_stopping, params.max_tokens
+            )
+        if num_candidates > max_logprobs:  # each beam's candidates are log-probs
+            per_beam = num_candidates // params.beam_width
+            raise ValueError(f"beam_width must be at most {max_logprobs // per_beam}")
         if any(not 0 <= t < model.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
         sp = SamplingParams(
             temperature=params.temperature,
-            logprobs=params.num_candidates,
+            logprobs=num_candidates,
             max_tokens=params.max_tokens,
             ignore_eos=True,  # the group decides what ends, not the scheduler's stop checks
             detokenize=False,
         )
-        eos = frozenset() if params.ignore_eos else frozenset(model.eos_token_ids)
         root = Request(f"{group_id}#beam0", prompt, sp, eos, arrival_time)
-        return BeamGroup(group_id, params, prompt, eos, [Beam(root)])
+        return BeamGroup(group_id, params, prompt, eos, [Beam(root)], hyps=hyps)
 
     @property
     def requests(self) -> list[Request]:
@@ -102,6 +113,26 @@ class BeamGroup:
     def ready(self) -> bool:
         """Every live beam has proposed this step's candidates."""
         return len(self.pending) == len(self.beams)
+
+    def select(
+        self, cum_logprobs: list[float], proposals: list[list[tuple[int, float]]]
+    ) -> tuple[list[Candidate], list[Candidate]]:
+        """This step's (next live beams, candidates that finish), by the group's rule."""
+        width, eos = self.params.beam_width, self.eos_token_ids
+        if self.hyps is None:
+            return select_candidates(cum_logprobs, proposals, width, eos)
+        last = self.num_steps + 1 >= self.params.max_tokens
+        return hf_select(cum_logprobs, proposals, width, eos, last)
+
+    def end_step(self, finished: list[BeamSearchSequence], chosen: list[Candidate]) -> bool:
+        """Keep this step's finished hypotheses; whether the search ends now."""
+        self.num_steps += 1
+        if self.hyps is None:  # vLLM's rule: every one, no early stop
+            self.completed.extend(finished)
+            return self.num_steps >= self.params.max_tokens or not chosen
+        if self.hyps.accepting():
+            self.hyps.add([(seq, self.num_steps) for seq in finished])
+        return self.hyps.done(chosen[0][2] if chosen else None, self.num_steps)
 
     def record(self, request_id: str, token_id: int, lp: TokenLogprobs | None) -> None:
         """A beam's proposals: its top `2 * width` tokens, and the sampled one (vLLM's
@@ -118,7 +149,10 @@ class BeamGroup:
         return [b.sequence() for b in self.beams]
 
     def best(self) -> list[BeamSearchSequence]:
-        """The final ranking: finished and live hypotheses by vLLM's score, `width` best."""
+        """The final ranking: finished and live hypotheses by vLLM's score, `width` best (HF's
+        rule: its finished hypotheses)."""
+        if self.hyps is not None:
+            return self.hyps.sequences()
         live = self.live_sequences()
         for s in live:
             s.finish_reason = "length"
@@ -170,16 +204,14 @@ class BeamGroups:
         old = group.beams
         proposals = [group.pending[b.request.request_id] for b in old]
         group.pending = {}
-        chosen, ended = select_candidates(
-            [b.cum_logprob for b in old], proposals, group.params.beam_width, group.eos_token_ids
-        )
+        chosen, ended = group.select([b.cum_logprob for b in old], proposals)
+        finished = []
         for parent, token, cum in ended:
             seq = _extend(old[parent], proposals[parent], token, cum).sequence()
             seq.tokens.append(token)
-            seq.finish_reason = "stop"
-            group.completed.append(seq)
-        group.num_steps += 1
-        last = group.num_steps >= group.params.max_tokens or not chosen
+            seq.finish_reason = "stop" if token in group.eos_token_ids else "length"
+            finished.append(seq)
+        last = group.end_step(finished, chosen)
         new: list[Beam] = []
         for parent, token, cum in chosen:
             beam = _extend(old[parent], proposals[parent], token, cum)

@@ -7,9 +7,10 @@ up). `engine_stream.Stream` sends it as the n > 1 outputs are sent: `text_output
 `sequence_lengths` [beam].
 
 The rule is vLLM's (docs/beam_search.md): `length_penalty` divides by the whole sequence's
-length, prompt included; there is no early stop (TensorRT-LLM's `early_stopping` is not an
-input of these models); the beams rank by the raw logits' log-probs, whatever the sampling
-settings (temperature, top_k, top_p, seed)."""
+length, prompt included, and there is no early stop; unless the request sends TensorRT-LLM's
+`early_stopping`, which runs HF's and TensorRT-LLM's rule (`pagedllm.beam_hf`: scores by the
+output length, stops as asked). The beams rank by the raw logits' log-probs, whatever the
+sampling settings (temperature, top_k, top_p, seed)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,15 @@ REFUSED: tuple[tuple[str, object, str], ...] = (
 )
 
 
-def beam_params(params: SamplingParams, width: int, length_penalty: float) -> BeamSearchParams:
-    """The beam search a request asks for (`beam_width` > 1). Raises ValueError naming what
-    cannot go with it."""
+def beam_params(
+    params: SamplingParams,
+    width: int,
+    length_penalty: float,
+    early_stopping: bool | str | None = None,
+) -> BeamSearchParams:
+    """The beam search a request asks for (`beam_width` > 1): vLLM's rule, or with
+    `early_stopping` HF's and TensorRT-LLM's (`pagedllm.beam_hf`). Raises ValueError naming
+    what cannot go with it."""
     for name, default, what in REFUSED:
         if getattr(params, name) not in (default, None):
             raise ValueError(f"beam_width > 1 cannot be combined with {what}")
@@ -50,6 +57,7 @@ def beam_params(params: SamplingParams, width: int, length_penalty: float) -> Be
         max_tokens=params.max_tokens,
         ignore_eos=params.ignore_eos,
         length_penalty=length_penalty,
+        early_stopping=early_stopping,
     )
 
 

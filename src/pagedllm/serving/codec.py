@@ -58,6 +58,7 @@ TRTLLM_INPUTS = (
     "end_id",
     "pad_id",
     "length_penalty",
+    "early_stopping",
     "return_context_logits",
     "return_generation_logits",
 )
@@ -218,7 +219,7 @@ def parse_request(get: Getter) -> GenerateRequest:
         if name in flags:
             extra |= Extra.VLLM | (bit if flags[name] else Extra.NONE)
     _structured(get, values)
-    width, length_penalty = _trtllm(get, values)
+    width, length_penalty, early_stopping = _trtllm(get, values)
     if flags.get("return_log_probs") and values.get("logprobs") is None:
         values["logprobs"] = 0  # the chosen token's log-prob
     top_logprobs = values.get("logprobs")
@@ -233,7 +234,7 @@ def parse_request(get: Getter) -> GenerateRequest:
     if params.n > MAX_N:
         raise RequestError(f"n must be at most {MAX_N}, got {params.n}")
     try:
-        beam = None if width == 1 else beam_params(params, width, length_penalty)
+        beam = None if width == 1 else beam_params(params, width, length_penalty, early_stopping)
     except ValueError as e:
         raise RequestError(str(e)) from None
     return GenerateRequest(
@@ -274,9 +275,9 @@ def _structured(get: Getter, values: dict[str, Any]) -> None:
         raise RequestError(str(e)) from None
 
 
-def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float]:
+def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float, bool | str | None]:
     """TensorRT-LLM's inputs that have no SamplingParams field of their own; returns the
-    beam width and length penalty."""
+    beam width, length penalty and early stopping (None: not sent)."""
 
     def read(name: str) -> Any:
         array = get(name)
@@ -303,4 +304,11 @@ def _trtllm(get: Getter, values: dict[str, Any]) -> tuple[int, float]:
     length_penalty = read("length_penalty")  # scores beams only: nothing to do with one
     if length_penalty is not None and not np.isfinite(float(length_penalty)):
         raise RequestError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    return int(beam_width), 1.0 if length_penalty is None else float(length_penalty)
+    # ends beams only: nothing to do with one. The tensor is TensorRT-LLM's (BOOL); the
+    # sampling_parameters key is vLLM's former SamplingParams field (a bool, or "never")
+    stop, tensor = values.pop("early_stopping", None), read("early_stopping")
+    stop = stop if tensor is None else tensor
+    early_stopping: bool | str | None = stop
+    if stop is not None and stop != "never":
+        early_stopping = _flag("early_stopping", stop)
+    return int(beam_width), 1.0 if length_penalty is None else float(length_penalty), early_stopping

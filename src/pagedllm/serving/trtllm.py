@@ -42,6 +42,7 @@ FORWARDED = (
     "end_id",
     "pad_id",
     "length_penalty",
+    "early_stopping",
     "beam_width",
     "return_context_logits",
     "return_generation_logits",

@@ -21,6 +21,7 @@ refuses `stop` instead; clients can still cancel their own requests (gRPC cancel
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Callable
 
@@ -74,6 +75,7 @@ class LlmApiRequest:
     inputs: Tensors  # llm_engine's
     stops: list[str]
     flags: dict[str, bool]
+    n: int = 1  # outputs returned (the best n of a beam search)
 
 
 class LlmApiModel:
@@ -159,9 +161,6 @@ class LlmApiModel:
             raise RequestError(
                 "The current implementation only supports text_input being a 1D tensor."
             )
-        best_of = scalar(get, "sampling_param_best_of")
-        if best_of not in (None, 1):
-            raise RequestError(f"sampling_param_best_of must be 1, got {best_of}")
         if scalar(get, "sampling_param_return_perf_metrics"):
             raise RequestError("sampling_param_return_perf_metrics is not supported")
         inputs: Tensors = {"text_input": text.reshape(-1)[:1], "stream": np.array([False])}
@@ -178,32 +177,70 @@ class LlmApiModel:
         flags = {name: bool(scalar(get, name)) for name in FLAGS}
         if flags["return_cumulative_logprob"]:
             inputs["return_log_probs"] = np.array([True])
+        n = llmapi_n(get, inputs)
         llmapi_greedy(inputs)
         inputs["input_ids"] = self.tokenize.handle(inputs.get)["input_ids"]
         texts = [] if stops is None else [_text(s) for s in stops.reshape(-1)]
-        return LlmApiRequest(inputs=inputs, stops=texts, flags=flags)
+        return LlmApiRequest(inputs=inputs, stops=texts, flags=flags, n=n)
 
     def tensors(self, request: LlmApiRequest, out: Tensors) -> Tensors:
-        t: Tensors = {"text_output": out["text_output"].reshape(1)}
-        finish = _text(out["finish_reason"].reshape(-1)[0])
+        """Upstream's outputs: each [n], one element per output (beams best first)."""
+        n = request.n
+        t: Tensors = {"text_output": out["text_output"].reshape(-1)[:n].copy()}
+        finishes = [_text(f) for f in out["finish_reason"].reshape(-1)[:n]]
         if request.flags["return_finish_reason"]:  # the LLM API's names
-            reason = {"abort": "cancelled", "": "None"}.get(finish, finish)
-            t["finish_reason"] = _bytes(reason)
+            reasons = [{"abort": "cancelled", "": "None"}.get(f, f) for f in finishes]
+            t["finish_reason"] = _bytes(*reasons)
         if request.flags["return_stop_reason"]:
-            t["stop_reason"] = _bytes(str(self._stop_reason(request, out, finish)))
+            ids = _split(out["output_token_ids"], out.get("sequence_lengths"))
+            found = [self._stop_reason(request, i, f) for i, f in zip(ids, finishes, strict=False)]
+            t["stop_reason"] = _bytes(*(str(r) for r in found))
         if request.flags["return_cumulative_logprob"]:
-            total = out.get("cum_log_probs", np.zeros(1, dtype=np.float32))
-            t["cumulative_logprob"] = total.astype(np.float32).reshape(1)
+            total = out.get("cum_log_probs", np.zeros(n, dtype=np.float32))
+            t["cumulative_logprob"] = total.astype(np.float32).reshape(-1)[:n].copy()
         return t
 
-    def _stop_reason(self, request: LlmApiRequest, out: Tensors, finish: str) -> str | None:
-        """The stop string that ended the output (the first to occur in its ids' text: the
+    def _stop_reason(self, request: LlmApiRequest, ids: np.ndarray, finish: str) -> str | None:
+        """The stop string that ended an output (the first to occur in its ids' text: the
         engine stops at the earliest); None for EOS, length or an abort."""
         if finish != "stop" or not request.stops:
             return None
-        text = self.tokenizer.decode([int(i) for i in out["output_token_ids"]])
+        text = self.tokenizer.decode([int(i) for i in ids])
         found = [(text.find(s), k) for k, s in enumerate(request.stops) if s in text]
         return request.stops[min(found)[1]] if found else None
+
+
+def llmapi_n(get: Getter, inputs: Tensors) -> int:
+    """The LLM API's `n`, `best_of` and `use_beam_search` (its SamplingParams): a beam search
+    of width `best_of` (else `n`) returning the `n` best beams, with `length_penalty` and
+    `early_stopping` (an int, as TensorRT-LLM's: 1 True, 0 False, another value "never");
+    or `n` samples. TensorRT-LLM's `beam_width` (its other models' name) is
+    `use_beam_search` with `best_of` = `beam_width`. Returns `n`."""
+    n = scalar(get, "sampling_param_n")
+    n = 1 if n is None else int(n)
+    best_of, width = scalar(get, "sampling_param_best_of"), scalar(get, "beam_width")
+    beams = bool(scalar(get, "sampling_param_use_beam_search"))
+    if width is not None and width != 1:
+        if best_of not in (None, width):
+            raise RequestError(f"beam_width ({width}) and sampling_param_best_of disagree")
+        beams, best_of = True, width
+    best_of = n if best_of is None else int(best_of)
+    if n < 1 or best_of < n:
+        raise RequestError(f"need 1 <= sampling_param_n ({n}) <= sampling_param_best_of")
+    if not beams:
+        if best_of != n:
+            raise RequestError("sampling_param_best_of > n needs sampling_param_use_beam_search")
+        if n > 1:
+            inputs["num_return_sequences"] = np.array([n], dtype=np.int32)
+        return n
+    inputs["beam_width"] = np.array([best_of], dtype=np.int32)
+    if (penalty := get("sampling_param_length_penalty")) is not None:
+        inputs["length_penalty"] = penalty
+    stop = scalar(get, "sampling_param_early_stopping")
+    if stop is not None:
+        value = {1: True, 0: False}.get(int(stop), "never")
+        inputs["sampling_parameters"] = np.array([json.dumps({"early_stopping": value})], object)
+    return n
 
 
 def llmapi_greedy(inputs: Tensors) -> None:
@@ -220,5 +257,12 @@ def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _bytes(text: str) -> np.ndarray:
-    return np.array([text.encode("utf-8")], dtype=np.object_)
+def _bytes(*texts: str) -> np.ndarray:
+    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
+
+
+def _split(ids: np.ndarray, lengths: np.ndarray | None) -> list[np.ndarray]:
+    """Each output's token ids (the outputs' ids one after another, `lengths` each)."""
+    if lengths is None:
+        return [ids]
+    return np.split(ids.reshape(-1), np.cumsum(lengths.reshape(-1))[:-1])
