@@ -77,7 +77,7 @@ def tied_checkpoint(path: Path) -> Path:
 def test_ties_in_a_whole_model_route_as_hf(tmp_path: Path) -> None:
     """A Qwen3-MoE whose experts 0-2 share a router row in every layer: HF's greedy tokens
     (its decode steps in one C++ call, csrc/decoder.cpp, where the extension builds;
-    test_decode_layers_moe holds that path to the op-by-op one on the same model)."""
+    test_decode_layers holds that path to the op-by-op one on the same model)."""
     path = tied_checkpoint(tmp_path)
     prompts = random_prompts(6, (2, 40), TINY["vocab_size"], seed=21)
     expected = hf_greedy(hf_model(path), prompts, 12, eos=None)
