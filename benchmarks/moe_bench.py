@@ -1,7 +1,7 @@
 """Decode speed of a mixture of experts on this machine, printing one JSON document.
 
     .venv/bin/python benchmarks/moe_bench.py [--layers 4] [--dtype float32] [--rounds 2]
-        [--threads N] [--clock wall|cpu]
+        [--batches 1 32] [--threads N] [--clock wall|cpu]
 
 A Qwen3-MoE of Qwen3-30B-A3B's proportions scaled to this machine (hidden 512, 64 experts of
 width 192, top-8: experts' width / hidden = 0.375 as there; `--layers` layers), random, built
@@ -14,8 +14,10 @@ call, csrc/decoder.cpp, the experts in csrc/moe.cpp's fused kernel), against:
   path's baseline;
 - a dense Qwen3 of the same active parameters (MLP width 8 x 192 = 1536, the same attention).
 Tokens per second of `LLM.generate` at batch 1 and 32 (64-token prompts, 64 new tokens,
-greedy, ignore_eos), per path (the best of `--rounds` rounds, the paths taking turns), and
-the ratios the issue asks for: fused / loop at batch 32, dense / fused at batch 1.
+greedy, ignore_eos), per path (the best of `--rounds` rounds, the paths taking turns), the
+fastest forward pass of a step at each batch (ms, wall time: robust to a busy machine, as the
+minimum over the run's steps), and the ratios the issue asks for: fused / loop at batch 32,
+dense / fused at batch 1 (by tok/s and by step).
 """
 
 from __future__ import annotations
@@ -60,22 +62,37 @@ def load(path: Path, dtype: str, one_call: bool = True) -> Any:
     return llm
 
 
-def measure(llm: Any, batch: int, clock: Callable[[], float], loop: bool = False) -> float:
-    """Decode tok/s at `batch` by `clock`; `loop`: the experts one by one (`experts_loop`)."""
+def measure(
+    llm: Any, batch: int, clock: Callable[[], float], loop: bool = False
+) -> tuple[float, float]:
+    """Decode tok/s at `batch` by `clock`, and the fastest forward pass of its steps of `batch`
+    decodes (ms of wall time: the model alone, the least disturbed); `loop`: the experts one by one
+    (`experts_loop`)."""
     from pagedllm.layers.moe import experts_loop
     from pagedllm.model import moe_block
 
-    fused = moe_block.fused_experts
+    model, fused = llm.engine.runner.model, moe_block.fused_experts
+    steps: list[float] = []
+
+    def timed(input_ids: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = forward(input_ids, *args)
+        if input_ids.shape[0] == batch:  # a step of `batch` decodes
+            steps.append(time.perf_counter() - start)
+        return out
+
+    forward, model.forward = model.forward, timed
     if loop:
         moe_block.fused_experts = experts_loop  # type: ignore[assignment]
     try:
-        return tok_per_s(llm, batch, clock)
+        return tok_per_s(llm, batch, clock), round(min(steps) * 1e3, 3)
     finally:
         moe_block.fused_experts = fused  # type: ignore[assignment]
+        model.forward = forward
 
 
 def race(
-    llms: dict[str, Any], rounds: int, clock: Callable[[], float]
+    llms: dict[str, Any], rounds: int, clock: Callable[[], float], batches: list[int]
 ) -> dict[str, dict[str, Any]]:
     """Each path's best tok/s over `rounds` rounds, the paths taking turns within a round (on
     a shared machine the least disturbed run of each, measured side by side)."""
@@ -84,17 +101,29 @@ def race(
         for name, llm in llms.items():
             row = best.setdefault(
                 name,
-                {
-                    "decode_path": "one_call" if llm.engine.runner.model._kernel_weights else "ops",
-                    "batch_1_tok_s": 0.0,
-                    "batch_32_tok_s": 0.0,
-                },
+                {"decode_path": "one_call" if llm.engine.runner.model._kernel_weights else "ops"}
+                | {f"batch_{b}_tok_s": 0.0 for b in batches}
+                | {f"batch_{b}_step_ms": float("inf") for b in batches},
             )
-            for batch in (1, 32):
-                key = f"batch_{batch}_tok_s"
-                row[key] = max(row[key], measure(llm, batch, clock, loop=name == "loop"))
+            for batch in batches:
+                tok_s, step_ms = measure(llm, batch, clock, loop=name == "loop")
+                row[f"batch_{batch}_tok_s"] = max(row[f"batch_{batch}_tok_s"], tok_s)
+                row[f"batch_{batch}_step_ms"] = min(row[f"batch_{batch}_step_ms"], step_ms)
             print(f"[bench] round {r} {name}: {row}", file=sys.stderr, flush=True)
     return best
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The issue's ratios, of the batches measured."""
+    fused, loop, dense = rows["fused"], rows["loop"], rows["dense_same_active"]
+    out = {}
+    if "batch_32_tok_s" in fused:
+        out["fused_over_loop_batch_32"] = round(fused["batch_32_tok_s"] / loop["batch_32_tok_s"], 2)
+    if "batch_1_tok_s" in fused:
+        out["dense_over_fused_batch_1"] = round(dense["batch_1_tok_s"] / fused["batch_1_tok_s"], 2)
+        step = fused["batch_1_step_ms"] / dense["batch_1_step_ms"]
+        out["dense_over_fused_batch_1_step"] = round(step, 2)
+    return out
 
 
 def main() -> None:
@@ -102,6 +131,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument(
         "--clock",
@@ -135,7 +165,7 @@ def main() -> None:
             "loop": load(moe_path, args.dtype, one_call=False),
             "dense_same_active": load(dense_path, args.dtype),
         }
-        rows = race(llms, args.rounds, CLOCKS[args.clock])
+        rows = race(llms, args.rounds, CLOCKS[args.clock], args.batches)
     doc = {
         "moe": {k: v for k, v in moe.items() if k != "initializer_range"},
         "dtype": args.dtype,
@@ -145,12 +175,7 @@ def main() -> None:
         "rounds": args.rounds,
         "clock": args.clock,
         "paths": rows,
-        "fused_over_loop_batch_32": round(
-            rows["fused"]["batch_32_tok_s"] / rows["loop"]["batch_32_tok_s"], 2
-        ),
-        "dense_over_fused_batch_1": round(
-            rows["dense_same_active"]["batch_1_tok_s"] / rows["fused"]["batch_1_tok_s"], 2
-        ),
+        **ratios(rows),
     }
     print(json.dumps(doc, indent=2))
 
