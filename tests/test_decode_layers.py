@@ -1,8 +1,9 @@
 """The decoder layers of a decode step in one C++ call (csrc/decoder.cpp) against the same
 model run op by op from Python: the same kernels in the same order, so the same bits — tokens
 and log-probs — for every architecture (q/k/v bias, GQA, sliding window) and weight format,
-and every feature a dense family turns on (q/k norms, norms after the blocks, GeLU, soft-cap,
-softmax scale, per-layer windows and ropes, NoPE). The op-by-op path is itself held to HF
+and every feature a family turns on (q/k norms, norms after the blocks, GeLU, soft-cap,
+softmax scale, per-layer windows and ropes, NoPE; a mixture of experts' routing, ties
+included, fused experts and shared expert). The op-by-op path is itself held to HF
 transformers by test_parity and test_quantization."""
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_moe import tied_checkpoint
 
 from conftest import random_prompts
-from families import DENSE, make_family_checkpoint
+from families import DENSE, MOE, make_family_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig, RopeConfig
 from pagedllm.layers import quant
@@ -100,18 +102,39 @@ def test_one_call_equals_op_by_op(
     check_one_call(checkpoints[arch], fmt, one_call, seed=list(FORMATS).index(fmt))
 
 
+# every family but DeepSeek-V3 (latent attention runs op by op): the mixtures of experts with
+# their router, routing, fused experts and shared expert in the one call too
+ONE_CALL = DENSE + tuple(name for name in MOE if name != "deepseek_v3")
+
+
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {name: make_family_checkpoint(root / name, name) for name in DENSE}
+    return {name: make_family_checkpoint(root / name, name) for name in ONE_CALL}
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("family", ONE_CALL)
 def test_family_one_call_equals_op_by_op(
     family: str, fmt: str, family_checkpoints: dict[str, Path], one_call: list[int]
 ) -> None:
     check_one_call(family_checkpoints[family], fmt, one_call, seed=0)
+
+
+def test_moe_int4_one_call_equals_op_by_op(
+    family_checkpoints: dict[str, Path], one_call: list[int]
+) -> None:
+    """int4 experts (and a gated shared expert) in the one call."""
+    check_one_call(family_checkpoints["qwen2_moe"], "int4", one_call, seed=2)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_tied_routers_one_call_equals_op_by_op(
+    fmt: str, tmp_path: Path, one_call: list[int]
+) -> None:
+    """Experts tied at the top-k boundary in every layer: decode_layers breaks the ties as the
+    op-by-op path (torch.topk, as HF) does, so the same tokens and log-probs."""
+    check_one_call(tied_checkpoint(tmp_path), fmt, one_call, seed=3)
 
 
 def test_steps_with_a_prefill_run_op_by_op(checkpoints: dict[str, Path]) -> None:

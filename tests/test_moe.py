@@ -59,20 +59,29 @@ def test_routing_is_transformers_routing(
     torch.testing.assert_close(weights, want_w.float(), rtol=0, atol=0)
 
 
-def test_ties_in_a_whole_model_route_as_hf(tmp_path: Path) -> None:
-    """A Qwen3-MoE whose experts 0-2 share a router row in every layer: HF's greedy tokens."""
+def tied_checkpoint(path: Path) -> Path:
+    """A random Qwen3-MoE whose experts 0-2 share a router row in every layer (scaled up:
+    often the top experts, always tied), saved with its tokenizer at `path`."""
     model = build_family_model("qwen3_moe")
     with torch.no_grad():
         for layer in model.model.layers:
             w = layer.mlp.gate.weight
-            w[1:3] = w[0] * 4  # often the top experts, always tied
-    model.save_pretrained(tmp_path)
-    make_family_checkpoint(tmp_path / "tok", "qwen3_moe")  # its tokenizer files
-    for f in (tmp_path / "tok").glob("tok*"):
-        f.rename(tmp_path / f.name)
+            w[1:3] = w[0] * 4
+    model.save_pretrained(path)
+    make_family_checkpoint(path / "tok", "qwen3_moe")  # its tokenizer files
+    for f in (path / "tok").glob("tok*"):
+        f.rename(path / f.name)
+    return path
+
+
+def test_ties_in_a_whole_model_route_as_hf(tmp_path: Path) -> None:
+    """A Qwen3-MoE whose experts 0-2 share a router row in every layer: HF's greedy tokens
+    (its decode steps in one C++ call, csrc/decoder.cpp, where the extension builds;
+    test_decode_layers holds that path to the op-by-op one on the same model)."""
+    path = tied_checkpoint(tmp_path)
     prompts = random_prompts(6, (2, 40), TINY["vocab_size"], seed=21)
-    expected = hf_greedy(hf_model(tmp_path), prompts, 12, eos=None)
-    llm = LLM(str(tmp_path), max_num_batched_tokens=16)
+    expected = hf_greedy(hf_model(path), prompts, 12, eos=None)
+    llm = LLM(str(path), max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -1,17 +1,22 @@
 // ---- The decoder layers of a decode step in one call: for D tokens, each the next token of its
 // request, every layer's norms, q/k/v, q/k norms, rotary, KV write, paged attention, o,
-// gate/up, activation-and-mul and down, and the final norm, without going back to Python
-// between ops (at batch 1 the ~10 ops of 30 layers cost as much in Python as the attention
-// itself). Every dense family (model/decoder.py): the same kernels (or ATen ops) as its
-// op-by-op path, in the same order, so the results are the same bits.
+// gate/up, activation-and-mul and down (or the mixture of experts: router, routing, the
+// experts in moe.cpp's fused_moe, the shared expert), and the final norm, without going back
+// to Python between ops (at batch 1 the ~10 ops of 30 layers cost as much in Python as the
+// attention itself). Every family but latent attention (model/decoder.py, model/moe_block.py):
+// the same kernels (or ATen ops) as its op-by-op path, in the same order, so the results are
+// the same bits (torch.topk's own tie order included).
 
 namespace {
 
 // Tensors per layer in `weights`: the norms before attention, after it, before the MLP, after
 // it, the q and k norms (an empty tensor where the family has none), then (w0, w1, w2, bias)
 // for each of q/k/v, o, gate/up and down: (w, -, -) dense, (q, scales, -) int8,
-// (q, scales, mins) int4, an empty tensor for what is absent; last the attention sinks (fp32,
-// one logit per query head; empty: none).
+// (q, scales, mins) int4, an empty tensor for what is absent; then the attention sinks (fp32,
+// one logit per query head; empty: none); last, for a mixture of experts in place of the MLP
+// (all empty for a dense MLP), (w0, w1, w2, bias) of the router, the experts' stacked gate/up
+// (E, 2I, H) and down (E, H, I) (moe.cpp's formats), the shared expert's gate/up and down, and
+// its gate (1, H) (empty: no shared expert, no gate).
 enum Slot : int64_t {
   kLn1,
   kPost1,
@@ -24,7 +29,13 @@ enum Slot : int64_t {
   kGateUp = kO + 4,
   kDown = kGateUp + 4,
   kSinks = kDown + 4,
-  kPerLayer,
+  kRouter,
+  kExperts13 = kRouter + 4,
+  kExperts2 = kExperts13 + 4,
+  kSharedGateUp = kExperts2 + 4,
+  kSharedDown = kSharedGateUp + 4,
+  kSharedGate = kSharedDown + 4,
+  kPerLayer = kSharedGate + 4,
 };
 
 // An optional weight of `weights`: given (a defined, non-empty tensor).
@@ -108,16 +119,62 @@ Activation parse_activation(const std::string& name) {
   return Activation::kGelu;
 }
 
-// `_act_and_mul` of model/decoder.py: act(gate) * up, gate and up the halves of gate_up.
-torch::Tensor act_and_mul(const torch::Tensor& gate_up, Activation act) {
-  if (act == Activation::kSilu) {
+// `_act_and_mul` of model/decoder.py: act(gate) * up, gate and up the halves of gate_up;
+// `kernel` false: ATen's silu, as layers/moe.py's gated_act (a shared expert's) computes it.
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, Activation act, bool kernel = true) {
+  if (act == Activation::kSilu && kernel) {
     auto out = silu_and_mul(gate_up);
     if (!out) refused("silu_and_mul");
     return *out;
   }
   const int64_t half = gate_up.size(-1) / 2;
   const auto gate = gate_up.narrow(-1, 0, half), up = gate_up.narrow(-1, half, half);
+  if (act == Activation::kSilu) return at::silu(gate) * up;
   return at::gelu(gate, act == Activation::kGeluTanh ? "tanh" : "none") * up;
+}
+
+// The mixture-of-experts settings of the model (moe_config.MoeConfig), shared by its layers.
+struct MoeStep {
+  std::string router;  // "softmax" or "topk_softmax" (empty: the model has no experts)
+  int64_t top_k;
+  bool norm_topk_prob, weights_in_model_dtype;
+  std::string activation;  // the experts' (moe.cpp's names)
+  double limit;
+};
+
+// `route` of model/moe_block.py: router logits (D, E) -> the top-k experts' weights (fp32) and
+// ids, by the same ATen ops (torch.topk's ties).
+std::tuple<torch::Tensor, torch::Tensor> route_tokens(const torch::Tensor& logits, const MoeStep& m) {
+  if (m.router == "topk_softmax") {
+    auto [values, ids] = at::topk(logits, m.top_k, -1);
+    return {at::softmax(values, -1).to(torch::kFloat), ids};
+  }
+  TORCH_CHECK(m.router == "softmax", "decode_layers: router softmax or topk_softmax");
+  auto [weights, ids] = at::topk(at::softmax(logits.to(torch::kFloat), -1), m.top_k, -1);
+  if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
+  if (m.weights_in_model_dtype) weights = weights.to(logits.scalar_type()).to(torch::kFloat);
+  return {weights, ids};
+}
+
+std::optional<torch::Tensor> given(const torch::Tensor& t) {
+  return present(t) ? std::optional<torch::Tensor>(t) : std::nullopt;
+}
+
+// `moe_forward` of model/moe_block.py (no tensor parallelism) on x (D, hidden): the experts
+// (fused_moe, always: the caller keeps D within its row limit), plus the shared expert.
+torch::Tensor moe_block(const torch::Tensor* w, const torch::Tensor& x, const MoeStep& m,
+                        Activation act) {
+  const torch::Tensor router_x = w[kRouter].scalar_type() == torch::kFloat ? x.to(torch::kFloat) : x;
+  auto [weights, ids] = route_tokens(apply(w + kRouter, router_x), m);
+  const torch::Tensor *w13 = w + kExperts13, *w2 = w + kExperts2;
+  auto out = fused_moe(x, weights.to(torch::kFloat).contiguous(), ids.to(torch::kLong).contiguous(),
+                       {w13[0], w13[1], w13[2]}, given(w13[3]), {w2[0], w2[1], w2[2]},
+                       given(w2[3]), m.activation, m.limit, -1);
+  if (!out) refused("fused_moe");
+  if (!present(w[kSharedGateUp])) return *out;
+  auto shared = apply(w + kSharedDown, act_and_mul(apply(w + kSharedGateUp, x), act, false));
+  if (present(w[kSharedGate])) shared = at::sigmoid(apply(w + kSharedGate, x)) * shared;
+  return *out + shared;
 }
 
 // What every layer of the step shares.
@@ -158,15 +215,19 @@ torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tens
 // rotary: per rope of the model, (D, head_dim / 2, 2) fp32, each token's rotation; per layer,
 // its sliding window (None: global) and the index of its rope in `rotary` (None: NoPE);
 // slot_mapping (D,), block_tables (>= D, max_blocks), context_lens (D,): int64, as for write_kv
-// and paged_decode_attention; softcap 0: none. Returns the last layer's output after the final
-// norm.
+// and paged_decode_attention; softcap 0: none; moe_router ... limit: the mixture of experts'
+// settings (MoeStep; moe_router empty where the model has none). Returns the last layer's
+// output after the final norm.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> rotary,
                             std::vector<std::optional<int64_t>> windows,
                             std::vector<std::optional<int64_t>> ropes, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor context_lens,
                             torch::Tensor final_norm, double eps, double scale, double softcap,
-                            int64_t heads, int64_t kv_heads, std::string activation) {
+                            int64_t heads, int64_t kv_heads, std::string activation,
+                            std::string moe_router, int64_t top_k, bool norm_topk_prob,
+                            bool weights_in_model_dtype, std::string expert_activation,
+                            double limit) {
   ReleaseGil no_gil;  // the whole step: other Python threads run meanwhile
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
@@ -176,6 +237,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
               "decode_layers: a window and a rope per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x (D, hidden), contiguous");
   const Activation act = parse_activation(activation);
+  const MoeStep moe{moe_router, top_k, norm_topk_prob, weights_in_model_dtype, expert_activation,
+                    limit};
   const Step step{rotary, slot_mapping, block_tables, context_lens, eps, scale, softcap,
                   heads, kv_heads};
   const torch::Tensor none;
@@ -186,7 +249,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     x = join(x, residual, *post, w[kLn1], eps);
     x = apply(w + kO, attention(step, w, x, kv_caches[i], ropes[i], windows[i].value_or(0)));
     x = join(x, residual, w[kPost1], w[kLn2], eps);
-    x = apply(w + kDown, act_and_mul(apply(w + kGateUp, x), act));
+    x = present(w[kRouter]) ? moe_block(w, x, moe, act)
+                            : apply(w + kDown, act_and_mul(apply(w + kGateUp, x), act));
     post = &w[kPost2];
   }
   return join(x, residual, *post, final_norm, eps);

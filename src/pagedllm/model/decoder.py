@@ -344,6 +344,7 @@ class CausalLM(nn.Module):
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.activation,
+            *decoder_kernel.moe_args(cfg.moe),
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
