@@ -193,3 +193,17 @@ def test_smollm2_equal_to_transformers() -> None:
         assert [o.prompt_token_ids for o in outs] == ids
         ours = torch.tensor([o.outputs.embedding for o in outs])
         assert_close(ours, hf_embeddings(hf, ids, pooling, True))
+
+
+def test_serve_runner_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pagedllm serve --runner pooling` sets llm_engine's and llm's `runner` (PAGEDLLM_RUNNER)."""
+    from pagedllm.cli import main
+    from pagedllm.serving import launcher
+
+    calls: list[dict[str, str]] = []
+    monkeypatch.setattr(launcher, "serve", lambda model, *args: calls.append(args[4]) or 0)
+    assert main(["serve", "--model", "/m", "--runner", "pooling"]) == 0
+    assert main(["serve", "--model", "/m"]) == 0
+    assert [c["PAGEDLLM_RUNNER"] for c in calls] == ["pooling", "generate"]
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "/m", "--runner", "embed"])
