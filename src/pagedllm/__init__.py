@@ -10,9 +10,21 @@ if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchParams
     from pagedllm.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
+    from pagedllm.pooling.params import PoolerConfig, PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "PoolerConfig",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 # NOTE: imported on first use, not here: the Triton models that only tokenize, detokenize or
@@ -23,6 +35,10 @@ _HOMES = {
     "BeamSearchParams": "pagedllm.beam_search",
     "CompletionOutput": "pagedllm.outputs",
     "RequestOutput": "pagedllm.outputs",
+    "EmbeddingOutput": "pagedllm.pooling.outputs",
+    "EmbeddingRequestOutput": "pagedllm.pooling.outputs",
+    "PoolerConfig": "pagedllm.pooling.params",
+    "PoolingParams": "pagedllm.pooling.params",
     "SamplingParams": "pagedllm.sampling_params",
 }
 

@@ -170,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         help="streamed requests: one response per this many tokens (the first at once); sets "
         "PAGEDLLM_STREAM_INTERVAL (default: llm_engine's config, 1)",
     )
+    s.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="pooling: the model as an embedder, for /v1/embeddings and embedding requests "
+        "alone (docs/embeddings.md); sets PAGEDLLM_RUNNER",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = _model_dir(args.model)
         quantization = args.quantization or _default_quantization(args)
-        env = {"PAGEDLLM_DEVICE": args.device}
+        env = {"PAGEDLLM_DEVICE": args.device, "PAGEDLLM_RUNNER": args.runner}
         if args.tensor_parallel_size is not None:  # else config.pbtxt's
             env["PAGEDLLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
         if args.stream_interval is not None:

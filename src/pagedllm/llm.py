@@ -14,6 +14,9 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling.engine import PoolingEngine
+from pagedllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from pagedllm.pooling.params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -35,7 +38,9 @@ class LLM:
     share of the device this engine may use (its KV pool takes what the weights and
     activations leave; `kv_cache_memory` is the CPU's budget), and `enforce_eager` (decode
     steps without CUDA graphs). `num_state_slots`: a hybrid model's (Qwen3.5) requests that
-    hold a linear-attention state at once (None: `max_num_seqs`, as memory allows)."""
+    hold a linear-attention state at once (None: `max_num_seqs`, as memory allows).
+    `runner="pooling"` (with `pooler_config`): the model as an embedder, for `embed` alone
+    (`pagedllm.pooling`, docs/embeddings.md)."""
 
     def __init__(
         self,
@@ -57,7 +62,11 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         num_state_slots: int | None = None,
+        runner: str = "generate",
+        pooler_config: PoolerConfig | None = None,
     ) -> None:
+        if runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {runner!r}")
         config = EngineConfig.create(
             model,
             dtype=dtype,
@@ -77,12 +86,20 @@ class LLM:
             enforce_eager=enforce_eager,
             num_state_slots=num_state_slots,
         )
-        self.engine = LLMEngine(config)
+        self.pooling = PoolingEngine(config, pooler_config) if runner == "pooling" else None
+        self._engine = LLMEngine(config) if self.pooling is None else None
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise ValueError("this LLM runs the pooling runner: generation needs runner='generate'")
+        return self._engine
 
     def close(self) -> None:
         """Release the engine: its tensor-parallel workers stop."""
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -91,7 +108,33 @@ class LLM:
         self.close()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.pooling is None else self.pooling.tokenizer
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` (runner="pooling"): one vector per prompt, in order. A prompt
+        that cannot run raises ValueError before anything runs."""
+        if self.pooling is None:
+            raise ValueError("LLM.embed needs runner='pooling'")
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = pooling_params or PoolingParams()
+        each = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
+        if len(each) != len(prompts):
+            raise ValueError(f"got {len(each)} pooling params for {len(prompts)} prompts")
+        ready = [
+            self.pooling.prepare(_prompt_input(p), q) for p, q in zip(prompts, each, strict=True)
+        ]
+        vectors = self.pooling.embed(ready)
+        return [
+            EmbeddingRequestOutput(str(next(self._ids)), EmbeddingOutput(v.tolist()), r.token_ids)
+            for r, v in zip(ready, vectors, strict=True)
+        ]
 
     def generate(
         self,

@@ -26,8 +26,17 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.serving import adapter  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
+from pagedllm.serving.embedding_codec import (  # noqa: E402
+    llm_embedding_outputs,
+    llm_embedding_request,
+)
 from pagedllm.serving.errors import error_code  # noqa: E402
-from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES, int_setting, model_dir  # noqa: E402
+from pagedllm.serving.settings import (  # noqa: E402
+    DEFAULT_MAX_PROMPT_BYTES,
+    int_setting,
+    model_dir,
+    setting,
+)
 from pagedllm.serving.text_models import OPTIONAL, DetokenizerModel, TokenizerModel  # noqa: E402
 from pagedllm.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -50,6 +59,7 @@ class TritonPythonModel:
         self.tokenizer = TokenizerModel(tokenizer, limit)
         self.detokenizer = DetokenizerModel(tokenizer)
         self.pool = ThreadPoolExecutor(max_workers=512, thread_name_prefix="llm")
+        self.pooling = setting(params, "runner", "generate") == "pooling"
 
     def execute(self, requests):
         for request in requests:
@@ -68,6 +78,8 @@ class TritonPythonModel:
 
     def _generate(self, request):
         get = adapter.getter(pb_utils, request)
+        if self.pooling or get("embedding_request") is not None:
+            return self._embed(get)
         ids = self.tokenizer.handle(get)["input_ids"]
         inputs = [t for t in request.inputs() if t.name() not in ("stream", "input_ids")]
         inputs += [
@@ -92,6 +104,29 @@ class TritonPythonModel:
                     adapter.abort_engine_request(pb_utils, request_id)
                 continue
             result = adapter.response(pb_utils, out)
+        return result or adapter.error(pb_utils, "llm: the engine sent no response", "INTERNAL")
+
+    def _embed(self, get):
+        inputs = [pb_utils.Tensor("embedding_request", llm_embedding_request(get))]
+        engine = pb_utils.InferenceRequest(
+            model_name="llm_engine",
+            inputs=inputs,
+            requested_output_names=[
+                "text_output",
+                "embedding",
+                "num_input_tokens",
+                "num_output_tokens",
+            ],
+        )
+        result = None
+        for response in engine.exec(decoupled=True):  # one response, then the empty final
+            if response.has_error():
+                message = response.error().message()
+                result = adapter.error(pb_utils, message, error_code(message))
+                continue
+            tensors = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            if tensors:
+                result = adapter.response(pb_utils, llm_embedding_outputs(get, tensors))
         return result or adapter.error(pb_utils, "llm: the engine sent no response", "INTERNAL")
 
     def finalize(self):

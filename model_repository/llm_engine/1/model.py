@@ -135,6 +135,16 @@ def _stop_server(reason):
     os.kill(os.getppid(), signal.SIGTERM)
 
 
+def _senders(sender):
+    def send(tensors, final):
+        sender.send(adapter.response(pb_utils, tensors), flags=FINAL if final else 0)
+
+    def fail(message, code):
+        sender.send(adapter.error(pb_utils, message, code), flags=FINAL)
+
+    return send, fail
+
+
 class TritonPythonModel:
     def initialize(self, args):
         # our INFO lines (a cancelled request, as vllm_backend logs it) reach the server log
@@ -150,6 +160,12 @@ class TritonPythonModel:
         if gpus is not None:  # before CUDA starts: this process and its workers see only these
             set_visible_gpus(gpus)
         device = instance_device(params, kind, int(args["model_instance_device_id"]))
+        self.embeddings = None
+        if setting(params, "runner", "generate") == "pooling":  # embeddings only
+            from pagedllm.serving.embedding_model import EmbeddingModel
+
+            self.embeddings = EmbeddingModel(engine_config(params, device))
+            return
         exporter = _Metrics(labels) if metrics else None
         # NOTE: imported here, not at the top: Triton also runs this file in a stub of its own
         # to complete the config, where torch (3 s of CPU) would be imported for nothing
@@ -176,6 +192,11 @@ class TritonPythonModel:
             exporter.info(CACHE_CONFIG_INFO, cache_config_info(engine.config, blocks))
 
     def execute(self, requests):
+        if self.embeddings is not None:
+            for request in requests:
+                send, fail = _senders(request.get_response_sender())
+                self.embeddings.handle(adapter.getter(pb_utils, request), send, fail)
+            return None
         for request in requests:
             sender = request.get_response_sender()
             abort = pb_utils.get_input_tensor_by_name(request, "abort_request_id")
@@ -188,16 +209,14 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 continue
 
-            def send(tensors, final, sender=sender):
-                sender.send(adapter.response(pb_utils, tensors), flags=FINAL if final else 0)
-
-            def fail(message, code, sender=sender):
-                sender.send(adapter.error(pb_utils, message, code), flags=FINAL)
-
+            send, fail = _senders(sender)
             get = adapter.getter(pb_utils, request)
             self.model.handle(get, send, fail, sender.is_cancelled)
         return None
 
     def finalize(self):
+        if self.embeddings is not None:
+            self.embeddings.shutdown()
+            return
         self.model.drain()  # unloaded: those in flight get drain_timeout_s, then are aborted
         self.model.shutdown()

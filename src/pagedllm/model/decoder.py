@@ -236,9 +236,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
         cfg = self.config
-        x = self._embed(input_ids)
-        if cfg.embed_scale != 1.0:  # in the model's dtype, as transformers scales it
-            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        x = self._scaled_embed(input_ids)
         decodes = ctx.backend.decode_batch(ctx.attn_metadata) if self._kernel_weights else None
         if decodes is not None and x.shape[0] <= self._kernel_rows:
             x = self._decode_layers(x, ctx, decodes)
@@ -253,6 +251,17 @@ class CausalLM(nn.Module):
             return logits
         gathered = self.tp.gather_logits(logits)  # rank 0 samples; the others' go unused
         return logits if gathered is None else gathered[:, : self.vocab_size]
+
+    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """(N,) token ids -> (N, hidden): every token's last hidden state, after the final
+        norm (what a pooling model pools: `pagedllm.pooling`)."""
+        return self._layers(self._scaled_embed(input_ids), ctx)
+
+    def _scaled_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self._embed(ids)
+        if self.config.embed_scale != 1.0:  # in the model's dtype, as transformers scales it
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def _layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The layers op by op, then the final norm. `x` is the pending output of the last

@@ -32,6 +32,7 @@ from pagedllm.convert import to_bool
 from pagedllm.openai.beams import beam_choices, beam_requests
 from pagedllm.openai.chat import ChatTemplate
 from pagedllm.openai.chat_fields import ChatTemplateFields, render_chat
+from pagedllm.openai.embeddings import Embeddings
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
 from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
 from pagedllm.openai.models import ServedModel
@@ -102,6 +103,9 @@ class Gateway:
         # vLLM's /tokenize and /detokenize: models checked, templates chosen as here
         self.tokenization = Tokenization(
             self.tokens, self.model, config.max_body_bytes, self._check_model, self._template
+        )
+        self.embeddings = Embeddings(  # /v1/embeddings: a server with the pooling runner
+            self.bridge.client, self.model_name, self._check_model, config.max_body_bytes
         )
 
     # --- routes ---------------------------------------------------------------------------
@@ -358,6 +362,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/server_info", gateway.server_info, methods=["GET"]),
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", gateway.embeddings.create, methods=["POST"]),
             Route("/metrics", metrics.metrics, methods=["GET"]),
             Route("/tokenize", gateway.tokenization.tokenize, methods=["POST"]),  # vLLM's
             Route("/detokenize", gateway.tokenization.detokenize, methods=["POST"]),

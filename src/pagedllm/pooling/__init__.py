@@ -1,0 +1,1 @@
+"""Embeddings: a causal LM as an embedder (vLLM's pooling runner); docs/embeddings.md."""
