@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from pagedllm import prepare
+from pagedllm.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedllm.real_models import DEFAULT_MODEL, names
 from pagedllm.serving.gateway import DEFAULT_HOST, DEFAULT_PORT, GatewayOptions
 
@@ -170,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         help="streamed requests: one response per this many tokens (the first at once); sets "
         "PAGEDLLM_STREAM_INTERVAL (default: llm_engine's config, 1)",
     )
+    s.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the KV cache's element type (docs/kv_cache.md); sets PAGEDLLM_KV_CACHE_DTYPE "
+        "(default: llm_engine's config, auto)",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -227,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {"PAGEDLLM_DEVICE": args.device}
         if args.tensor_parallel_size is not None:  # else config.pbtxt's
             env["PAGEDLLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
+        if args.kv_cache_dtype is not None:
+            env["PAGEDLLM_KV_CACHE_DTYPE"] = args.kv_cache_dtype
         if args.stream_interval is not None:
             if args.stream_interval < 1:
                 ap.error("--stream-interval must be >= 1")

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from pagedllm.errors import ConfigError
+from pagedllm.kv_cache_dtype import bytes_per_token_layer
 
 
 class ModelSizes(Protocol):
@@ -60,11 +61,13 @@ def num_kv_blocks(
     gpu_memory_utilization: float,
     tensor_parallel_size: int = 1,
     sliding_window: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Enough blocks for every sequence at full length, capped by the memory budget: on a CUDA
     device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes. With
     `sliding_window` (every layer's: blocks out of it are freed) a sequence holds at most its
-    window before a chunk of `batched_tokens`, the chunk, and one block of misalignment."""
+    window before a chunk of `batched_tokens`, the chunk, and one block of misalignment.
+    A quantized cache (`kv_cache_dtype`) counts its bytes per token, scales included."""
     world = tensor_parallel_size
     if device.startswith("cuda"):
         # an engine closed in this process leaves its pool cached by torch: count it free
@@ -86,7 +89,8 @@ def num_kv_blocks(
         per_seq = min(per_seq, -(-(sliding_window - 1 + batched_tokens) // block_size) + 1)
     # a rank's KV heads (replicated past them), or latent attention's one row
     values = model.kv_values_per_token(world)
-    bytes_per_block = model.num_layers * block_size * values * dtype.itemsize
+    per_token = bytes_per_token_layer(kv_cache_dtype, dtype, values, model.head_dim)
+    bytes_per_block = model.num_layers * block_size * per_token
     return max(1, min(per_seq * max_num_seqs, kv_cache_memory // bytes_per_block))
 
 

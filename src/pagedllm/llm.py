@@ -34,7 +34,8 @@ class LLM:
     them, as does this process's exit). On a GPU, as vLLM's: `gpu_memory_utilization`, the
     share of the device this engine may use (its KV pool takes what the weights and
     activations leave; `kv_cache_memory` is the CPU's budget), and `enforce_eager` (decode
-    steps without CUDA graphs)."""
+    steps without CUDA graphs). `kv_cache_dtype`: vLLM's values, auto (the model's dtype),
+    int8 / int8_per_token_head (the CPU) or fp8 / fp8_e4m3 / fp8_e5m2 (docs/kv_cache.md)."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -73,6 +75,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
