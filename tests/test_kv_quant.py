@@ -132,12 +132,18 @@ def test_pool_holds_more_tokens_in_the_same_memory(tmp_path: Path) -> None:
     assert blocks["fp8", "bfloat16"] >= 2 * blocks["auto", "bfloat16"]
 
 
-def test_latent_attention_refuses_a_quantized_cache() -> None:
-    from pagedllm.kv_cache_dtype import check_supported
+def test_what_cannot_run_is_refused() -> None:
+    from pagedllm.kv_cache_dtype import check_fp8_e4m3, check_supported
 
     with pytest.raises(ConfigError, match="MLA"):
         check_supported("int8", "cpu", latent=True)
     check_supported("int8", "cpu", latent=False)
+    with pytest.raises(ConfigError, match="CPU only"):
+        check_supported("int8", "cuda:0", latent=False)
+    with pytest.raises(ConfigError, match=r"8\.9 or newer \(this one: 8\.0\).*fp8_e5m2"):
+        check_fp8_e4m3((8, 0))
+    check_fp8_e4m3((8, 9))
+    check_fp8_e4m3((10, 0))
 
 
 def teacher_forced_agreement(
@@ -155,17 +161,19 @@ def teacher_forced_agreement(
     return same / total
 
 
-def test_int8_engine_every_path(checkpoints: dict[str, Path]) -> None:
-    """The int8 cache through the engine: the C++ kernels with chunked prefill, prefix-cache
-    hits and preemption give the reference path's tokens (unchunked, uncached, room for
-    all); those agree with HF's unquantized model, teacher-forced, on >= 95 % of tokens."""
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_engine_every_path(checkpoints: dict[str, Path], kind: str) -> None:
+    """A quantized cache through the engine: chunked prefill, prefix-cache hits and
+    preemption (int8: on the C++ kernels; fp8: the reference path, emulated) give the
+    reference path's tokens (unchunked, uncached, room for all); those agree with HF's
+    unquantized model, teacher-forced, on >= 95 % of tokens."""
     path = checkpoints["llama"]
     base = random_prompts(6, (20, 60), 384, seed=3)
     prompts = base + [base[0][:30] + p[:10] for p in base[1:4]]  # shared prefixes: hits
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
     def run(**knobs: object) -> tuple[list[list[int]], LLM]:
-        with LLM(str(path), dtype="float32", device="cpu", kv_cache_dtype="int8", **knobs) as llm:
+        with LLM(str(path), dtype="float32", device="cpu", kv_cache_dtype=kind, **knobs) as llm:
             ids = [{"prompt_token_ids": p} for p in prompts]
             outs = [list(o.outputs[0].token_ids) for o in llm.generate(ids, params, False)]
             llm.engine.check_integrity()
@@ -174,7 +182,7 @@ def test_int8_engine_every_path(checkpoints: dict[str, Path]) -> None:
     reference, _ = run(attention_backend="torch", enable_prefix_caching=False)
     fast, llm = run(num_kv_blocks=14, max_num_batched_tokens=32, block_size=8)
     stats = llm.engine.stats()
-    assert stats.kv_cache_dtype == "int8" and stats.kv_token_capacity == 14 * 8
+    assert stats.kv_cache_dtype == kind and stats.kv_token_capacity == 14 * 8
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert fast == reference
     assert teacher_forced_agreement(hf_model(path), prompts, reference) >= 0.95

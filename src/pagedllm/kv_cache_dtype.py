@@ -2,9 +2,9 @@
 bytes a token takes with its scales, and which devices can run it.
 
 - `auto`: the model's dtype.
-- `fp8` (= `fp8_e4m3`), `fp8_e5m2`: one byte per value, each layer's keys divided by its
-  `k_scale` and values by its `v_scale` (1.0: the checkpoint's scales are not read yet) before
-  the cast; the GPU's (Triton kernels, sm_89 and newer) and the CPU's torch reference path.
+- `fp8` (= `fp8_e4m3`), `fp8_e5m2`: one byte per value, cast with scale 1.0 (vLLM's
+  `k_scale` / `v_scale` are not read from checkpoints yet); the GPU's (Triton kernels: e4m3
+  on sm_89 and newer, e5m2 on sm_80 too) and the CPU's torch reference path (emulated).
 - `int8_per_token_head` (= `int8`): one byte per value and one fp32 scale per token, KV head
   and K/V, stored beside its row in the block: a layer's cache is int8
   (num_blocks, block_size, 2, kv_heads, head_dim + 4), the last 4 bytes of each row the
@@ -77,16 +77,23 @@ def check_supported(kind: str, device: str, latent: bool) -> None:
         raise ConfigError(
             "kv_cache_dtype int8 (int8_per_token_head) runs on the CPU only; on a GPU use fp8"
         )
-    if kind in FP8 and device.startswith("cuda"):
+    if kind == "fp8_e4m3" and device.startswith("cuda"):
         import torch
 
-        major, minor = torch.cuda.get_device_capability(torch.device(device))
-        if (major, minor) < (8, 9):
-            raise ConfigError(
-                f"kv_cache_dtype {kind} needs a GPU of compute capability 8.9 or newer "
-                f"(this one: {major}.{minor}); Triton cannot compile fp8 there and pagedllm "
-                "does not emulate it: use auto"
-            )
+        capability = torch.cuda.get_device_capability(torch.device(device))
+        check_fp8_e4m3(capability)
+
+
+def check_fp8_e4m3(capability: tuple[int, int]) -> None:
+    """e4m3 (Triton's fp8e4nv) compiles for sm_89 and newer only; e5m2 for sm_80 too
+    (tests/test_kernels_compile.py). Not emulated: refused."""
+    if capability < (8, 9):
+        major, minor = capability
+        raise ConfigError(
+            f"kv_cache_dtype fp8 (fp8_e4m3) needs a GPU of compute capability 8.9 or newer "
+            f"(this one: {major}.{minor}): Triton cannot compile e4m3 there and pagedllm does "
+            "not emulate it; use fp8_e5m2 (which it compiles for 8.0) or auto"
+        )
 
 
 def dtype_name(kind: str, model_dtype: torch.dtype) -> str:
