@@ -186,3 +186,19 @@ def test_engine_every_path(checkpoints: dict[str, Path], kind: str) -> None:
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert fast == reference
     assert teacher_forced_agreement(hf_model(path), prompts, reference) >= 0.95
+
+
+def test_int8_cache_over_two_ranks(checkpoints: dict[str, Path]) -> None:
+    """Tensor parallelism (CPU, gloo): each rank quantizes and attends its own KV head; the
+    greedy tokens are one rank's with the same cache (scales are per head, so the shards
+    hold the same rows)."""
+    path = str(checkpoints["llama"])
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, (10, 40), 384, seed=5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for world in (1, 2):
+        with LLM(path, dtype="float32", device="cpu", kv_cache_dtype="int8",
+                 tensor_parallel_size=world) as llm:  # fmt: skip
+            assert llm.engine.stats().kv_cache_dtype == "int8"
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, False)])
+    assert outs[0] == outs[1]
