@@ -68,26 +68,6 @@ def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
 
 
 @triton.jit
-def _round_fp8(x, FP8_MAX: tl.constexpr, FP8_EMIN: tl.constexpr, FP8_MBITS: tl.constexpr):
-    """x (fp32) saturated to +-FP8_MAX and rounded to the nearest fp8 value (ties to even),
-    still in fp32: the cast that follows is exact. NOTE: the interpreter's own fp32 -> fp8
-    cast neither carries a rounded-up mantissa into the exponent nor rounds ties to even;
-    this rounding in fp32 gives the GPU's and torch's bits there too. The quantum of x's
-    binade (subnormals: of the smallest normal one) is built from its exponent bits, and
-    adding then subtracting 1.5 * 2^23 quanta rounds |x| to a multiple of it in fp32
-    arithmetic; x's sign bit is put back (a negative x that rounds to 0 gives -0, as torch)."""
-    bits = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    a = (bits ^ sign).to(tl.float32, bitcast=True)  # |x|, rounded; the sign put back after
-    exp = ((bits >> 23) & 0xFF).to(tl.int32) - 127
-    exp = tl.maximum(exp, FP8_EMIN) - FP8_MBITS
-    quantum = ((exp + 127) << 23).to(tl.float32, bitcast=True)
-    magic = quantum * 12582912.0
-    rounded = ((a + magic) - magic).to(tl.uint32, bitcast=True)
-    return (rounded | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _write_kv_kernel(
     kv_ptr,  # (N, 2, kv_heads, head_dim)
     cache_ptr,
@@ -101,7 +81,7 @@ def _write_kv_kernel(
     stride_c_slot,
     block_size,
     head_dim,
-    FP8_MAX: tl.constexpr,  # an fp8 cache: its largest finite value; else 0 (see `_round_fp8`)
+    FP8_MAX: tl.constexpr,  # an fp8 cache: its largest finite value; else 0
     FP8_EMIN: tl.constexpr,  # its smallest normal exponent
     FP8_MBITS: tl.constexpr,  # its mantissa bits
     BLOCK_D: tl.constexpr,
@@ -125,7 +105,21 @@ def _write_kv_kernel(
         + offset * stride_c_slot
     )
     if FP8_MAX > 0:
-        x = _round_fp8(x.to(tl.float32), FP8_MAX, FP8_EMIN, FP8_MBITS)
+        # saturated and rounded to the nearest fp8 value (ties to even), still in fp32, so
+        # that the cast below is exact. NOTE: the interpreter's own fp32 -> fp8 cast neither
+        # carries a rounded-up mantissa into the exponent nor rounds ties to even; this gives
+        # the GPU's and torch's bits there too. The quantum of |x|'s binade (of the smallest
+        # normal one for subnormals) is built from its exponent bits; adding and subtracting
+        # 1.5 * 2^23 quanta rounds |x| to a multiple of it in fp32 arithmetic; the sign bit is
+        # put back after (a negative x rounded to 0 is -0, as torch's).
+        bits = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(
+            tl.uint32, bitcast=True
+        )
+        sign = bits & 0x80000000
+        exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, FP8_EMIN) - FP8_MBITS
+        magic = ((exp + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
+        a = (bits ^ sign).to(tl.float32, bitcast=True)
+        x = (((a + magic) - magic).to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     tl.store(dst + d, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
