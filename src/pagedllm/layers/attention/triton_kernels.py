@@ -34,6 +34,8 @@ widened to fp32 before each dot there (`UPCAST`); fp16 and fp32 run the exact GP
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -332,6 +334,10 @@ def paged_decode(
     block_d = pow2(head_dim)
     upcast, precision = dot_options(q.dtype)
     launch = decode_launch(cfg, q.dtype, head_dim, group)
+    if cache.dtype in FP8_DTYPES and head_dim > 128 and cfg.decode_block_n is None:
+        # the fp8 tiles and their widened copies of 256-wide heads spill at 32 keys
+        # (layers/kv_fp8_compile.py): 16 keys per iteration
+        launch = dataclasses.replace(launch, block_n=launch.block_n // 2)
     if num_splits > 1:
         part_out = torch.empty(d, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(d, heads, num_splits, dtype=torch.float32, device=q.device)
