@@ -62,7 +62,9 @@ def run(path: Path, dtype: str) -> dict[str, Any]:
     cfg = llm.engine.config
     row: dict[str, Any] = {"batch_1_tok_s": tok_per_s(llm, 1), "batch_32_tok_s": tok_per_s(llm, 32)}
     size = cfg.dtype.itemsize
-    row["kv_bytes_per_16_token_block"] = 16 * cfg.model.kv_bytes_per_token(size)
+    row["kv_bytes_per_16_token_block"] = (
+        16 * cfg.model.num_kv_layers * cfg.model.kv_values_per_token() * size
+    )
     hybrid = cfg.model.hybrid
     if hybrid is not None:
         row["state_bytes_per_request"] = hybrid.state_bytes_per_slot(size)

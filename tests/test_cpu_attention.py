@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.cpp_extension import is_ninja_available
 
-from pagedllm.layers.attention import StepInputs, cpu_kernels
+from pagedllm.layers.attention import StepInputs, cpu_kernels, kv_quant
 from pagedllm.layers.attention.base import AttnLayer
 from pagedllm.layers.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
@@ -277,15 +277,18 @@ def compare_backends(
     layer: AttnLayer | None = None,
     head_dim: int = 64,
     kv_heads: int = 2,
+    quantized: bool = False,
 ) -> None:
     """The cpu backend against the reference one, on `layer` (default: head_dim ** -0.5, no
-    window, no soft-cap)."""
+    window, no soft-cap); `quantized`: over an int8 cache (kv_cache_dtype.py)."""
     block_size, heads = 8, 3 * kv_heads
     layer = layer or AttnLayer(head_dim**-0.5)
     step, num_blocks = make_step(requests, block_size)
     gen = torch.Generator().manual_seed(1)
     n = len(step.positions)
     cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    if quantized:
+        cache = kv_quant.quantize_int8(cache)
     qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, head_dim)
     outs, caches = [], []

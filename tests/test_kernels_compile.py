@@ -203,3 +203,35 @@ def test_the_report_sees_a_spilling_configuration(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     stores, registers = map(int, done.stdout.split()[-2:])
     assert stores > 1000 and registers > 0
+
+
+def test_fp8_kv_cache_kernels(tmp_path: Path) -> None:
+    """The write, decode (split and not) and prefill kernels over fp8 caches: e5m2 compiles
+    for every architecture, e4m3 for sm_89 and newer (sm_80 refuses it: so does the engine,
+    kv_cache_dtype.check_fp8_e4m3), with no spills and the shared memory within bounds."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "kv_fp8_report.py")],
+        env=compile_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout)["rows"]
+    for arch in ("sm_80", "sm_89", "sm_90", "sm_100"):
+        for fmt in ("fp8_e4m3", "fp8_e5m2"):
+            on = [r for r in rows if r["arch"] == arch and any(fmt in w for w in r["workloads"])]
+            kernels = {r["kernel"] for r in on if "refused" not in r}
+            if arch == "sm_80" and fmt == "fp8_e4m3":  # the reduction reads no fp8
+                assert kernels == {"_reduce_splits_kernel"}, kernels
+                continue
+            want = {"_write_kv_kernel", "_decode_kernel", "_prefill_kernel"}
+            assert want <= kernels, (arch, fmt)
+    compiled = [r for r in rows if "refused" not in r]
+    assert all(r["spill_stores"] == r["spill_loads"] == 0 for r in compiled)
+    assert all(r["shared"] <= r["shared_limit"] for r in compiled)
+    assert {r["constexprs"]["BLOCK_D"] for r in compiled if r["kernel"] == "_decode_kernel"} == {
+        64,
+        128,
+        256,
+    }

@@ -69,7 +69,7 @@ def test_config_reads_both_architectures(arch: str, checkpoints: dict[str, Path]
     )
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (384, 64, 4)
     # only the two full-attention layers hold KV
-    assert cfg.kv_bytes_per_token(4) == 2 * 2 * 2 * 32 * 4
+    assert cfg.num_kv_layers * cfg.kv_values_per_token() * 4 == 2 * 2 * 2 * 32 * 4
 
 
 def test_state_pool_sized_from_the_memory_budget(checkpoints: dict[str, Path]) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_cpu_attention import make_step
 
-from pagedllm.layers.attention import create_attention_backend
+from pagedllm.layers.attention import create_attention_backend, kv_quant
 from pagedllm.layers.attention.base import AttnLayer
 from pagedllm.layers.attention.torch_ref import TorchAttentionBackend
 from pagedllm.layers.attention.triton_launch import KernelConfig, num_decode_splits, prefill_launch
@@ -54,6 +54,11 @@ def to_head_major(ref_cache: torch.Tensor) -> torch.Tensor:
     return ref_cache.permute(0, 2, 3, 1, 4).contiguous()
 
 
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as bytes (torch compares no fp8 tensors on the CPU); others as they are."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
+
+
 def run_both(
     tk: ModuleType,
     requests: list[tuple[int, int]],
@@ -68,16 +73,20 @@ def run_both(
     num_decodes: int | None = None,
     config: object | None = None,
     perturb: Callable[[AttnLayer], AttnLayer] | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Triton backend output, reference output) for one layer of one step on random inputs;
     also checks that both caches hold the same keys and values afterwards. `perturb` changes
-    the Triton side's layer only (for the tests that must detect a mistake)."""
+    the Triton side's layer only (for the tests that must detect a mistake); `cache_dtype`: an
+    fp8 cache (kv_cache_dtype.py), on both sides."""
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 
     step, num_blocks = make_step(requests, block_size, num_decodes)
     gen = torch.Generator().manual_seed(block_size * 1000 + head_dim + group)
     n, heads = len(step.positions), kv_heads * group
     cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=gen).to(dtype)
+    if cache_dtype is not None:
+        cache = kv_quant.quantize_fp8(cache, cache_dtype)
     # q and kv are strided views of one qkv buffer, as in the model
     qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, head_dim)
@@ -89,7 +98,7 @@ def run_both(
     tri_cache = to_head_major(cache)
     meta = backend.build_metadata(step)
     out = backend.forward(q, kv, tri_cache, meta, perturb(layer) if perturb else layer)
-    assert torch.equal(tri_cache, to_head_major(ref_cache))
+    assert torch.equal(as_bytes(tri_cache), as_bytes(to_head_major(ref_cache)))
     assert out.shape == (n, heads, head_dim) and out.dtype == dtype
     return out, expected
 
@@ -224,6 +233,21 @@ def test_mixed_batch_dtypes(
     requests = [(0, 1), (8, 1), (29, 1), (11, 9), (0, 20)]
     out, expected = run_both(
         tk, requests, dtype=dtype, window=window, softcap=softcap, kv_heads=2, group=3
+    )
+    assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache_matches_reference(
+    tk: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """The write casts (saturated) to the same fp8 bits as the reference; decodes (split-K
+    too) and prefill chunks read them back widened."""
+    requests = [(0, 1), (8, 1), (29, 1), (80, 1), (11, 9), (0, 20)]
+    config = small_tiles(tk, decode_block_n=16)
+    out, expected = run_both(
+        tk, requests, dtype=dtype, kv_heads=2, group=3, cache_dtype=cache_dtype, config=config
     )
     assert_matches(out, expected)
 

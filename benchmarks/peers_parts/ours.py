@@ -126,9 +126,14 @@ def mix(model: str, precision: str, budget: Budget) -> dict[str, Any]:
 
 def ppl(model: str, precision: str, budget: Budget) -> dict[str, Any]:
     """Perplexity over the fixed text from prompt log-probs, in llama-perplexity's windows."""
+    llm = make_llm(model, precision, max_model_len=budget.ppl_ctx + 8, enable_prefix_caching=False)
+    return ppl_of(llm, budget)
+
+
+def ppl_of(llm: Any, budget: Budget) -> dict[str, Any]:
+    """`llm`'s perplexity of the fixed text (prefix caching off: every window computed)."""
     from pagedllm import SamplingParams
 
-    llm = make_llm(model, precision, max_model_len=budget.ppl_ctx + 8, enable_prefix_caching=False)
     tokens = llm.get_tokenizer().encode(common.text())
     tokens = list(getattr(tokens, "ids", tokens))
     chunks = common.ppl_chunks(tokens, budget)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from pagedllm import prepare
+from pagedllm.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedllm.real_models import DEFAULT_MODEL, names
 from pagedllm.serving.gateway import DEFAULT_HOST, DEFAULT_PORT, GatewayOptions
 
@@ -177,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         help="pooling: the model as an embedder, for /v1/embeddings and embedding requests "
         "alone (docs/embeddings.md); sets PAGEDLLM_RUNNER",
     )
+    s.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the KV cache's element type (docs/kv_cache.md); sets PAGEDLLM_KV_CACHE_DTYPE "
+        "(default: llm_engine's config, auto)",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -234,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {"PAGEDLLM_DEVICE": args.device, "PAGEDLLM_RUNNER": args.runner}
         if args.tensor_parallel_size is not None:  # else config.pbtxt's
             env["PAGEDLLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
+        if args.kv_cache_dtype is not None:
+            env["PAGEDLLM_KV_CACHE_DTYPE"] = args.kv_cache_dtype
         if args.stream_interval is not None:
             if args.stream_interval < 1:
                 ap.error("--stream-interval must be >= 1")

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from pagedllm import hybrid_config, kv_budget
+from pagedllm import hybrid_config, kv_budget, kv_cache_dtype
 from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
+from pagedllm.kv_cache_dtype import check_kv_cache_dtype, check_supported
 from pagedllm.model_config import ModelConfig, RopeConfig
 
 __all__ = [  # re-exported
@@ -58,8 +59,11 @@ class CacheConfig:
     sliding_window: int | None = None
     # a hybrid model's linear-attention state slots (core/state_pool.py); None: no such layers
     num_state_slots: int | None = None
+    # the KV cache's element type (kv_cache_dtype.py): auto, fp8_e4m3, fp8_e5m2 or int8
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dtype", check_kv_cache_dtype(self.cache_dtype))
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -131,6 +135,11 @@ class EngineConfig:
         object.__setattr__(self, "quantization", check_quantization(self.quantization))
         check_utilization(self.gpu_memory_utilization)
 
+    def kv_cache_report(self) -> kv_cache_dtype.KVCacheReport:
+        """The KV cache's element type, bytes per token (scales included) and token capacity,
+        as `EngineStats` names them."""
+        return kv_cache_dtype.report(self)
+
     @staticmethod
     def create(
         model_dir: str | Path,
@@ -153,17 +162,22 @@ class EngineConfig:
         stream_interval: int = 1,
         free_out_of_window_blocks: bool = True,
         num_state_slots: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
         comes from the device's free memory (`gpu_memory_utilization`), not from
         `kv_cache_memory`. `quantization`: QUANTIZATIONS, or None / "none" for the checkpoint's
         weights in `dtype`. `free_out_of_window_blocks`: on a model whose every layer has a
-        sliding window, free a request's blocks once they fall out of it."""
+        sliding window, free a request's blocks once they fall out of it. `kv_cache_dtype`:
+        vLLM's values (kv_cache_dtype.KV_CACHE_DTYPES), refused here where the device cannot
+        run it."""
         device = resolve_device(device)
+        kv_kind = check_kv_cache_dtype(kv_cache_dtype)
         quantization = check_quantization(quantization)
         check_utilization(gpu_memory_utilization)  # before it sizes a GPU's KV pool
         model = ModelConfig.from_model_dir(model_dir)
+        check_supported(kv_kind, device, latent=model.mla is not None)
         context = model.context_length
         model_len = max_model_len or context
         if model_len > context:
@@ -195,9 +209,10 @@ class EngineConfig:
                 tensor_parallel_size,
                 sliding_window=window,
                 reserved_bytes=state_bytes,
+                kv_cache_dtype=kv_kind,
             )
         cache = CacheConfig(
-            block_size, num_kv_blocks, enable_prefix_caching, window, num_state_slots
+            block_size, num_kv_blocks, enable_prefix_caching, window, num_state_slots, kv_kind
         )
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,

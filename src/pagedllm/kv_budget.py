@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from pagedllm.errors import ConfigError
+from pagedllm.kv_cache_dtype import bytes_per_token_layer
 
 
 class ModelSizes(Protocol):
@@ -42,7 +43,8 @@ class ModelSizes(Protocol):
 
     def kv_values_per_token(self, world: int = 1) -> int: ...
 
-    def kv_bytes_per_token(self, dtype_size: int, world: int = 1) -> int: ...
+    @property
+    def num_kv_layers(self) -> int: ...
 
 
 # per rank, for NCCL's communicator buffers when the model is split over GPUs
@@ -63,11 +65,13 @@ def num_kv_blocks(
     tensor_parallel_size: int = 1,
     sliding_window: int | None = None,
     reserved_bytes: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Enough blocks for every sequence at full length, capped by the memory budget: on a CUDA
     device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes. With
     `sliding_window` (every layer's: blocks out of it are freed) a sequence holds at most its
     window before a chunk of `batched_tokens`, the chunk, and one block of misalignment.
+    A quantized cache (`kv_cache_dtype`) counts its bytes per token, scales included.
     `reserved_bytes` of the budget go elsewhere (a hybrid model's state slots)."""
     world = tensor_parallel_size
     if device.startswith("cuda"):
@@ -88,9 +92,11 @@ def num_kv_blocks(
     per_seq = -(-model_len // block_size)
     if sliding_window is not None:
         per_seq = min(per_seq, -(-(sliding_window - 1 + batched_tokens) // block_size) + 1)
-    # a rank's KV heads (replicated past them), or latent attention's one row, per KV layer
-    bytes_per_block = block_size * model.kv_bytes_per_token(dtype.itemsize, world)
-    usable = max(0, kv_cache_memory - reserved_bytes)
+    # a rank's KV heads (replicated past them), or latent attention's one row
+    values = model.kv_values_per_token(world)
+    per_token = bytes_per_token_layer(kv_cache_dtype, dtype, values, model.head_dim)
+    bytes_per_block = model.num_kv_layers * block_size * per_token
+    usable = max(0, kv_cache_memory - reserved_bytes)  # the rest: a hybrid's state slots
     return max(1, min(per_seq * max_num_seqs, usable // bytes_per_block))
 
 

@@ -40,7 +40,9 @@ class LLM:
     steps without CUDA graphs). `num_state_slots`: a hybrid model's (Qwen3.5) requests that
     hold a linear-attention state at once (None: `max_num_seqs`, as memory allows).
     `runner="pooling"` (with `pooler_config`): the model as an embedder, for `embed` alone
-    (`pagedllm.pooling`, docs/embeddings.md)."""
+    (`pagedllm.pooling`, docs/embeddings.md). `kv_cache_dtype`: vLLM's values, auto (the
+    model's dtype), int8 / int8_per_token_head (the CPU) or fp8 / fp8_e4m3 / fp8_e5m2
+    (docs/kv_cache.md)."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class LLM:
         num_state_slots: int | None = None,
         runner: str = "generate",
         pooler_config: PoolerConfig | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling', got {runner!r}")
@@ -85,6 +88,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             num_state_slots=num_state_slots,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.pooling = PoolingEngine(config, pooler_config) if runner == "pooling" else None
         self._engine = LLMEngine(config) if self.pooling is None else None

@@ -190,10 +190,10 @@ class ModelConfig:
             return self.mla.cache_dim
         return 2 * max(1, self.num_kv_heads // world) * self.head_dim
 
-    def kv_bytes_per_token(self, dtype_size: int, world: int = 1) -> int:
-        """KV-cache bytes per token of a rank, over all layers (a hybrid's linear ones hold none)."""
-        layers = self.num_layers - (self.hybrid.num_linear if self.hybrid else 0)
-        return layers * self.kv_values_per_token(world) * dtype_size
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers with a KV cache (a hybrid's linear ones hold none)."""
+        return self.num_layers - (self.hybrid.num_linear if self.hybrid else 0)
 
     @property
     def sliding_window(self) -> int | None:

@@ -222,7 +222,46 @@ bool rotary_embedding(torch::Tensor qkv, torch::Tensor cos_sin, int64_t heads) {
 // Stores each token's new keys and values, kv (N, 2, kv_heads, head_dim) with each token's
 // 2 * kv_heads * head_dim values contiguous, into its slot of the cache (num_blocks,
 // block_size, 2, kv_heads, head_dim). False (nothing written) for what it does not handle.
+// write_kv into an int8 cache (kv_cache_dtype.py): each (token, K/V, head) row of head_dim
+// values becomes int8 q = round(x / s), to nearest even, and its fp32 scale
+// s = max(max|x| / 127, FLT_MIN) after them: the same bits as layers/attention/kv_quant.py.
+bool write_kv_int8(const torch::Tensor& kv, torch::Tensor& kv_cache, const torch::Tensor& slots) {
+  const int64_t n = kv.size(0), rows = kv.size(1) * kv.size(2), head_dim = kv.size(3);
+  if (kv.stride(3) != 1 || kv.stride(2) != head_dim || kv.stride(1) != kv.size(2) * head_dim ||
+      kv_cache.size(4) != head_dim + 4 || kv_cache.stride(1) != rows * (head_dim + 4))
+    return false;
+  const int64_t num_slots = kv_cache.size(0) * kv_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t], " out of range");
+  auto* cache = kv_cache.data_ptr<int8_t>();
+  dispatch_float_dtype(kv, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = kv.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* x = src + t * kv.stride(0) + r * head_dim;
+        int8_t* out = cache + (slot[t] * rows + r) * (head_dim + 4);
+        float top = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) top = std::max(top, std::abs(static_cast<float>(x[i])));
+        const float scale = std::max(top / 127.f, std::numeric_limits<float>::min());
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float q = std::nearbyint(static_cast<float>(x[i]) / scale);
+          out[i] = static_cast<int8_t>(std::clamp(q, -127.f, 127.f));
+        }
+        std::memcpy(out + head_dim, &scale, sizeof(scale));
+      }
+  });
+  return true;
+}
+
 bool write_kv(torch::Tensor kv, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+  if (kv_cache.scalar_type() == torch::kChar && supported(kv) && kv.dim() == 4 &&
+      kv_cache.dim() == 5 && kv_cache.device().is_cpu() && kv_cache.is_contiguous() &&
+      slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == torch::kInt64 &&
+      slot_mapping.dim() == 1 && slot_mapping.size(0) == kv.size(0) &&
+      slot_mapping.is_contiguous())
+    return write_kv_int8(kv, kv_cache, slot_mapping);
   if (!supported(kv) || kv.dim() != 4 || kv_cache.dim() != 5 || !kv_cache.device().is_cpu() ||
       kv_cache.scalar_type() != kv.scalar_type() || !kv_cache.is_contiguous() ||
       !slot_mapping.device().is_cpu() || slot_mapping.scalar_type() != torch::kInt64 ||

@@ -6,8 +6,8 @@ namespace {
 
 // Tasks are (request, KV head) pairs; a thread attends its consecutive tasks of one request
 // in a single pass over the keys, which reads each cache slot as one contiguous run.
-template <typename scalar_t, int64_t NV>
-void run(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
+template <typename scalar_t, typename cache_t, int64_t NV>
+void run(const Args<scalar_t, cache_t>& a, int64_t num_reqs, int64_t threads) {
   const int64_t max_heads = std::min(kMaxRows, kScratchVecs / a.nv) / a.group;
   const int64_t per = num_reqs >= 2 * threads ? a.kv_heads : 1;  // tasks handed out together
   parallel_for_rows(num_reqs, 0, num_reqs * a.kv_heads / per, 1, [&](int64_t u0, int64_t u1) {
@@ -22,7 +22,7 @@ void run(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
       const Pass pass = pass_at(task);
       task += pass.h1 - pass.h0;
       const Pass next = task < end ? pass_at(task) : pass;
-      attend<scalar_t, NV>(a, pass, task < end ? &next : nullptr, s);
+      attend<scalar_t, cache_t, NV>(a, pass, task < end ? &next : nullptr, s);
     }
   });
 }
@@ -37,8 +37,8 @@ struct KeyRun {
 // one run per thread, of at least a tile each; every run is attended for all the heads, and
 // the runs' partial softmax sums merged after (flash-decoding). False where no request has
 // keys enough to cut: run() then.
-template <typename scalar_t, int64_t NV>
-bool run_split(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
+template <typename scalar_t, typename cache_t, int64_t NV>
+bool run_split(const Args<scalar_t, cache_t>& a, int64_t num_reqs, int64_t threads) {
   std::vector<KeyRun> runs;
   std::vector<int64_t> first_run(num_reqs + 1);
   for (int64_t b = 0; b < num_reqs; ++b) {
@@ -63,7 +63,7 @@ bool run_split(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
         const int64_t h1 = std::min(a.kv_heads, h0 + max_heads);
         const Pass p{run.b, h0, h1, (h1 - h0) * a.group};
         load_queries(a, p, nv, s);
-        attend_keys<scalar_t, NV>(a, p, run.k0, run.k1, nullptr, s);
+        attend_keys<scalar_t, cache_t, NV>(a, p, run.k0, run.k1, nullptr, s);
         const int64_t row0 = i * heads + h0 * a.group;
         std::copy(s.acc, s.acc + p.rows * nv, acc.data() + row0 * nv);
         std::copy(s.max, s.max + p.rows, run_max.data() + row0);
@@ -96,20 +96,20 @@ bool run_split(const Args<scalar_t>& a, int64_t num_reqs, int64_t threads) {
   return true;
 }
 
-template <typename scalar_t, int64_t NV>
-void run_any(const Args<scalar_t>& a, int64_t num_reqs) {
+template <typename scalar_t, typename cache_t, int64_t NV>
+void run_any(const Args<scalar_t, cache_t>& a, int64_t num_reqs) {
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const bool few_tasks = threads > 1 && num_reqs * a.kv_heads < 2 * threads;
-  if (few_tasks && run_split<scalar_t, NV>(a, num_reqs, threads)) return;
-  run<scalar_t, NV>(a, num_reqs, threads);
+  if (few_tasks && run_split<scalar_t, cache_t, NV>(a, num_reqs, threads)) return;
+  run<scalar_t, cache_t, NV>(a, num_reqs, threads);
 }
 
-template <typename scalar_t>
-void dispatch_head_dim(const Args<scalar_t>& a, int64_t num_reqs) {
+template <typename scalar_t, typename cache_t>
+void dispatch_head_dim(const Args<scalar_t, cache_t>& a, int64_t num_reqs) {
   switch (a.nv) {
-    case 64 / kLanes: return run_any<scalar_t, 64 / kLanes>(a, num_reqs);
-    case 128 / kLanes: return run_any<scalar_t, 128 / kLanes>(a, num_reqs);
-    default: return run_any<scalar_t, 0>(a, num_reqs);
+    case 64 / kLanes: return run_any<scalar_t, cache_t, 64 / kLanes>(a, num_reqs);
+    case 128 / kLanes: return run_any<scalar_t, cache_t, 128 / kLanes>(a, num_reqs);
+    default: return run_any<scalar_t, cache_t, 0>(a, num_reqs);
   }
 }
 
@@ -141,10 +141,13 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch:
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: (D, H, head_dim), last dim contiguous");
   TORCH_CHECK(cache.dim() == 5 && cache.size(2) == 2 && cache.is_contiguous(),
               "kv_cache: contiguous (num_blocks, block_size, 2, kv_heads, head_dim)");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, kv_cache and out must share a dtype");
+  const bool int8 = cache.scalar_type() == torch::kChar;  // rows of values, then their scale
+  TORCH_CHECK((int8 || cache.scalar_type() == q.scalar_type()) &&
+                  out.scalar_type() == q.scalar_type(),
+              "q and out must share a dtype, and kv_cache too unless it is int8");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, shaped as q");
-  TORCH_CHECK(cache.size(4) == q.size(2), "head_dim of q and kv_cache differ");
+  TORCH_CHECK(cache.size(4) == q.size(2) + (int8 ? 4 : 0),
+              "kv_cache rows: head_dim (+ 4 bytes of scale for int8) of q");
   TORCH_CHECK(q.size(1) % cache.size(3) == 0, "num_heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(1) / cache.size(3) <= kMaxGroup, "more than 16 query heads per KV head");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxVecs * kLanes,
@@ -157,25 +160,26 @@ void check_inputs(const torch::Tensor& out, const torch::Tensor& q, const torch:
               "context_lens: contiguous int64 (D,)");
 }
 
-template <typename scalar_t>
-Args<scalar_t> make_args(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
+template <typename scalar_t, typename cache_t>
+Args<scalar_t, cache_t> make_args(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
                          const torch::Tensor& tables, const torch::Tensor& lens, double scale,
                          int64_t window, double softcap, const float* sinks) {
-  const int64_t kv_heads = cache.size(3), head_dim = cache.size(4);
-  return Args<scalar_t>{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
-                        cache.data_ptr<scalar_t>(), cache.size(1), 2 * kv_heads * head_dim,
-                        kv_heads, head_dim / kLanes, q.size(1) / kv_heads,
-                        tables.data_ptr<int64_t>(), tables.stride(0),
-                        lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                        static_cast<float>(scale), window, static_cast<float>(softcap), sinks};
+  const int64_t kv_heads = cache.size(3), head_dim = q.size(2), row = cache.size(4);
+  return Args<scalar_t, cache_t>{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1),
+                                 cache.data_ptr<cache_t>(), cache.size(1), 2 * kv_heads * row,
+                                 kv_heads, head_dim / kLanes, q.size(1) / kv_heads,
+                                 tables.data_ptr<int64_t>(), tables.stride(0),
+                                 lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                 static_cast<float>(scale), window, static_cast<float>(softcap),
+                                 sinks, row};
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void launch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& cache,
             const torch::Tensor& tables, const torch::Tensor& lens, double scale,
             int64_t window, double softcap, const float* sinks) {
   const auto args =
-      make_args<scalar_t>(out, q, cache, tables, lens, scale, window, softcap, sinks);
+      make_args<scalar_t, cache_t>(out, q, cache, tables, lens, scale, window, softcap, sinks);
   ReleaseGil no_gil;
   dispatch_head_dim(args, q.size(0));
 }
@@ -191,9 +195,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   const int64_t window = std::max<int64_t>(sliding_window, 0);
   check_tables(block_tables, context_lens, kv_cache.size(1), kv_cache.size(0), window);
   const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
+  const bool int8 = kv_cache.scalar_type() == torch::kChar;
   const auto launch_as = [&](auto dtype_tag) {
-    launch<decltype(dtype_tag)>(out, q, kv_cache, block_tables, context_lens, scale, window,
-                                softcap, sink_logits);
+    using scalar_t = decltype(dtype_tag);
+    if (int8)
+      launch<scalar_t, int8_t>(out, q, kv_cache, block_tables, context_lens, scale, window,
+                               softcap, sink_logits);
+    else
+      launch<scalar_t, scalar_t>(out, q, kv_cache, block_tables, context_lens, scale, window,
+                                 softcap, sink_logits);
   };
   switch (q.scalar_type()) {
     case torch::kFloat: return launch_as(float{});

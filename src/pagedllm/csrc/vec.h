@@ -121,6 +121,10 @@ inline fvec load(const at::Half* p) {
 #endif
 }
 
+// kLanes int8 values (an int8 KV cache's, before their row's scale) as fp32.
+typedef int8_t i8vec __attribute__((vector_size(kLanes)));
+inline fvec load(const int8_t* p) { return __builtin_convertvector(load_raw<i8vec>(p), fvec); }
+
 // kLanes fp32 values rounded to the cache dtype (to nearest even, like c10's conversions).
 inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 

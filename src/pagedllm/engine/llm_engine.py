@@ -57,8 +57,10 @@ class EngineStats:
     # the most blocks in use at once (both since the engine started)
     kv_blocks_freed_by_window: int = 0
     kv_blocks_peak: int = 0
-    # KV-cache bytes per token on a rank, all layers (latent attention: latent + rotated key)
+    # the KV cache (config.kv_cache_report): bytes per token on a rank, all layers and scales
     kv_bytes_per_token: int = 0
+    kv_cache_dtype: str = ""  # int8, fp8_e4m3, fp8_e5m2, or the model's dtype
+    kv_token_capacity: int = 0  # tokens its blocks hold
 
 
 class LLMEngine:
@@ -391,9 +393,7 @@ class LLMEngine:
             finished=tuple(sorted(m.finished.items())) if m else (),
             kv_blocks_freed_by_window=kv.num_window_freed,
             kv_blocks_peak=kv.peak_used_blocks,
-            kv_bytes_per_token=self.config.model.kv_bytes_per_token(
-                self.config.dtype.itemsize, self.config.tensor_parallel_size
-            ),
+            **self.config.kv_cache_report(),
         )
 
     def check_integrity(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.metrics import HISTOGRAMS
+from pagedllm.kv_cache_dtype import dtype_name
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -53,11 +54,12 @@ def cache_config_info(config: EngineConfig, num_blocks: int) -> dict[str, str]:
     values as strings, as vLLM writes them). The Gateway API Inference Extension's endpoint
     picker reads `block_size` and `num_gpu_blocks` (its prefix-cache scorer); `num_blocks`:
     the KV blocks of the pool the engine allocated, on whatever device it runs (vLLM's
-    name says GPU)."""
+    name says GPU); `cache_dtype`: the KV cache's element type (int8, fp8_e4m3, fp8_e5m2, or
+    the model's dtype where kv_cache_dtype is auto)."""
     return {
         "block_size": str(config.cache.block_size),
         "num_gpu_blocks": str(num_blocks),
-        "cache_dtype": str(config.dtype).removeprefix("torch."),
+        "cache_dtype": dtype_name(config.cache.cache_dtype, config.dtype),
         "enable_prefix_caching": str(config.cache.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "engine": "0",

@@ -145,6 +145,7 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         max_num_seqs=int(get("max_num_seqs", "64")),
         max_model_len=int(get("max_model_len", "0")) or None,  # 0: the model's context
         kv_cache_memory=int(float(get("kv_cache_memory_gib", "2")) * (1 << 30)),
+        kv_cache_dtype=get("kv_cache_dtype", "auto"),
         enable_prefix_caching=to_bool(
             "enable_prefix_caching", get("enable_prefix_caching", "true")
         ),

@@ -8,10 +8,12 @@ of a tensor-parallel engine run a plain `ShardExecutor` in worker processes
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import kv_cache_dtype
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.comm import TPGroup
 from pagedllm.distributed.shard import ShardPlan
@@ -21,6 +23,8 @@ from pagedllm.model.decoder import ForwardContext
 from pagedllm.model.gdn_block import build_step, new_states, spread_kv_caches
 from pagedllm.model.rope import rotary_table
 from pagedllm.worker import cuda_graphs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,28 +78,34 @@ class ShardExecutor:
         )
         # latent attention (model/mla.py) runs in torch over the reference backend's metadata
         backend = config.attention_backend if mcfg.mla is None else "torch"
+        if self.device.type == "cpu" and config.cache.cache_dtype in kv_cache_dtype.FP8:
+            backend = "torch"  # fp8 on the CPU: the reference path alone (no C++ kernel)
         self.backend = create_attention_backend(backend, str(self.device))
         self.block_size = config.cache.block_size
         num_kv_blocks = config.cache.num_kv_blocks
         assert num_kv_blocks is not None
         local = self.model.config  # the shard's KV heads
-        shape = self.backend.kv_cache_shape(
-            num_kv_blocks, self.block_size, local.num_kv_heads, local.head_dim
-        )
+        kind = config.cache.cache_dtype
+        # an int8 cache's rows carry their scale after the head_dim values
+        row = local.head_dim + kv_cache_dtype.row_extra(kind)
+        shape = self.backend.kv_cache_shape(num_kv_blocks, self.block_size, local.num_kv_heads, row)
         if mcfg.mla is not None:  # per token: the latent and the rotated key, every rank
             shape = (num_kv_blocks, self.block_size, mcfg.mla.cache_dim)
         hybrid = local.hybrid  # its linear layers: a state pool each instead of a KV cache
-        num_kv = mcfg.num_layers - (hybrid.num_linear if hybrid else 0)
+        num_kv = mcfg.num_kv_layers
+        cache_dtype = kv_cache_dtype.storage_dtype(kind, config.dtype)
         if self.device.type == "cpu":  # on huge pages, as the weights
-            kv_caches = arena.zeros(shape, config.dtype, num_kv)
+            kv_caches = arena.zeros(shape, cache_dtype, num_kv)
         else:
             kv_caches = [
-                torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(num_kv)
+                torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_kv)
             ]
         self.kv_caches = spread_kv_caches(kv_caches, hybrid)
         slots = config.cache.num_state_slots
         self.states = [] if hybrid is None or not slots else new_states(
             hybrid, slots, config.dtype, self.device)  # fmt: skip
+        if rank == 0:
+            logger.info("%s", kv_cache_dtype.capacity_line(config))
         # one table per rope of the model (ModelConfig.ropes), (max_model_len, head_dim / 2)
         self.rotary = [
             rotary_table(
@@ -160,6 +170,8 @@ def copy_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) ->
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
     for cache in kv_caches:
+        if cache.element_size() == 1:  # int8 or fp8: as bytes (no fp8 kernels everywhere)
+            cache = cache.view(torch.uint8)
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 

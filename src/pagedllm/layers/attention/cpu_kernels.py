@@ -13,8 +13,11 @@ each attended for all heads, and the runs' softmax sums merged (flash-decoding).
 softmax in fp32 over tiles of 32 keys, each tile's scores soft-capped first where the layer
 has a cap (one branch per tile, nothing in the dot products); attention sinks join each head's
 denominator once, when its output is normalized (nothing in the key loop); fp32, bf16 and
-fp16 caches, accumulation in fp32, head_dim a multiple of 16 up to 256. `write_kv` stores a
-step's new keys and values in their slots (one copy per token).
+fp16 caches, accumulation in fp32, head_dim a multiple of 16 up to 256; an int8 cache
+(kv_cache_dtype.py: each row's fp32 scale after its values) with queries of any of those
+dtypes, each key's scale applied to its score and each value's to its probability. `write_kv`
+stores a step's new keys and values in their slots (one copy per token; into an int8 cache,
+each row quantized as layers/attention/kv_quant.py does, to the same bits).
 
 The same extension holds the decoder layers' fused elementwise ops (`rms_norm`,
 `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding` in place on q and k): one pass per
@@ -42,6 +45,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.layers.attention import kv_quant
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +181,12 @@ def kernel_available() -> bool:
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the kernel handles these shapes/dtypes (else use the PyTorch path)."""
+    int8 = kv_cache.dtype == torch.int8  # rows of head_dim values and their fp32 scale
     return (
         q.device.type == "cpu"
-        and kv_cache.dtype == q.dtype
+        and (int8 or kv_cache.dtype == q.dtype)
         and kv_cache.is_contiguous()
+        and kv_cache.shape[4] == q.shape[2] + (4 if int8 else 0)
         and supports_shape(q.dtype, q.shape[1], kv_cache.shape[3], q.shape[2])
     )
 
@@ -209,7 +216,8 @@ def paged_decode_attention(
     """Attention of one new token per request over its paged context, written into `out`.
 
     out: contiguous (D, H, head_dim), dtype of q; q: (D, H, head_dim), any strides with a
-    contiguous last dim; kv_cache: contiguous (num_blocks, block_size, 2, kv_heads, head_dim);
+    contiguous last dim; kv_cache: contiguous (num_blocks, block_size, 2, kv_heads, head_dim)
+    of q's dtype, or int8 (..., head_dim + 4), each row's fp32 scale after its values;
     block_tables: int64 (>= D, max_blocks) with contiguous rows; context_lens: int64 (D,), the
     tokens in the cache including the new one. Only keys at positions >= ctx - sliding_window
     are attended if a window is given; with `softcap` the scaled scores are capped as
@@ -296,4 +304,4 @@ def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tenso
     values `kv` (N, 2, kv_heads, head_dim) in its slot (block * block_size + offset)."""
     module = kernel_module()
     if module is None or not module.write_kv(kv, kv_cache, slot_mapping):
-        kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, slot_mapping, kv)
+        kv_quant.write(kv_cache, slot_mapping, kv)

@@ -4,6 +4,8 @@ Cache layout per layer: (num_blocks, block_size, 2, num_kv_heads, head_dim), key
 of a slot side by side so that one write stores both and one gather of whole blocks (large
 contiguous copies) fetches a request's context. Decodes are batched into one padded attention
 call; prefill chunks attend one request at a time (causal, offset by their cached prefix).
+A quantized cache (int8 or fp8, `kv_quant`) is written quantized and read back dequantized to
+the queries' dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.attention import kv_quant
 from pagedllm.layers.attention.base import AttnLayer, StepInputs
 
 
@@ -54,8 +57,14 @@ class TorchAttentionMetadata:
         return masks
 
 
-def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> torch.Tensor:
-    # whole blocks -> (n, num_blocks_each * block_size, 2, kv_heads, head_dim)
+def _gather(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torch.dtype
+) -> torch.Tensor:
+    # whole blocks -> (n, num_blocks_each * block_size, 2, kv_heads, head_dim), a quantized
+    # cache's dequantized to `dtype`
+    if kv_quant.is_quantized(kv_cache):
+        blocks = kv_quant.gather_blocks(kv_cache, block_ids, dtype)
+        return blocks.view(n, -1, *blocks.shape[2:])
     blocks = kv_cache.flatten(1).index_select(0, block_ids)
     return blocks.view(n, -1, *kv_cache.shape[2:])
 
@@ -104,7 +113,7 @@ class TorchAttentionBackend:
         layer: AttnLayer,
     ) -> torch.Tensor:
         m = metadata
-        kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, m.slot_mapping, kv)
+        kv_quant.write(kv_cache, m.slot_mapping, kv)
         _, num_heads, head_dim = q.shape
         num_kv_heads = kv.shape[2]
         group = num_heads // num_kv_heads
@@ -114,14 +123,14 @@ class TorchAttentionBackend:
         if d:
             # GQA without copies: the query heads of one KV head act as its query rows.
             # (D, kv, group, hd) x (D, kv, T, hd) -> (D, kv, group, hd)
-            ctx = _gather(kv_cache, m.decode_block_ids, d)
+            ctx = _gather(kv_cache, m.decode_block_ids, d, q.dtype)
             qd = q[:d].view(d, num_kv_heads, group, head_dim)
             k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
             o = _attend(qd, k, v, masks[0], layer, False)
             outs.append(o.reshape(d, num_heads, head_dim))  # CUDA kernels may permute it
         for p, mask in zip(m.prefills, masks[1:], strict=True):
             # (1, heads, L, hd) x (1, kv, T, hd), causal after the cached prefix
-            ctx = _gather(kv_cache, p.block_ids, 1)[0, : p.ctx_len]
+            ctx = _gather(kv_cache, p.block_ids, 1, q.dtype)[0, : p.ctx_len]
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)[None]
             k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]
             o = _attend(qp, k, v, mask, layer, group > 1)

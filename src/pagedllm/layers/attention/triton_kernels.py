@@ -3,6 +3,8 @@
 Three kernels, plus the split-K reduction (this file: the first two; triton_prefill.py):
 
 - `write_kv`: the new keys/values of a step into their cache slots (slot < 0: padding, skipped);
+  into an fp8 cache (kv_cache_dtype fp8_e4m3 / fp8_e5m2) saturated and cast, which the
+  attention kernels widen back to the queries' dtype as they load them (`KV_FP8`);
 - `paged_decode`: one query token per request over its block table, the query heads of one KV
   head together (GQA) as the rows of one tile, optionally split over the context (split-K);
 - `paged_prefill`: causal varlen attention of each prefill chunk over its cached prefix plus
@@ -32,6 +34,8 @@ widened to fp32 before each dot there (`UPCAST`); fp16 and fp32 run the exact GP
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +45,8 @@ from pagedllm.layers.attention.triton_launch import KernelConfig, decode_launch,
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy (a global they may read)
+# a cache of these holds each key and value cast to fp8 (kv_cache_dtype.py, scale 1)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
@@ -77,6 +83,9 @@ def _write_kv_kernel(
     stride_c_slot,
     block_size,
     head_dim,
+    FP8_MAX: tl.constexpr,  # an fp8 cache: its largest finite value; else 0
+    FP8_EMIN: tl.constexpr,  # its smallest normal exponent
+    FP8_MBITS: tl.constexpr,  # its mantissa bits
     BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0)
@@ -97,14 +106,32 @@ def _write_kv_kernel(
         + head * stride_c_head
         + offset * stride_c_slot
     )
-    tl.store(dst + d, x, mask=mask)
+    if FP8_MAX > 0:
+        # saturated and rounded to the nearest fp8 value (ties to even), still in fp32, so
+        # that the cast below is exact. NOTE: the interpreter's own fp32 -> fp8 cast neither
+        # carries a rounded-up mantissa into the exponent nor rounds ties to even; this gives
+        # the GPU's and torch's bits there too. The quantum of |x|'s binade (of the smallest
+        # normal one for subnormals) is built from its exponent bits; adding and subtracting
+        # 1.5 * 2^23 quanta rounds |x| to a multiple of it in fp32 arithmetic; the sign bit is
+        # put back after (a negative x rounded to 0 is -0, as torch's).
+        bits = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(
+            tl.uint32, bitcast=True
+        )
+        sign = bits & 0x80000000
+        exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, FP8_EMIN) - FP8_MBITS
+        magic = ((exp + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
+        a = (bits ^ sign).to(tl.float32, bitcast=True)
+        x = (((a + magic) - magic).to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    tl.store(dst + d, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store `kv` (N, 2, kv_heads, head_dim) into `cache` (blocks, 2, kv_heads, block_size,
-    head_dim; any strides, last one 1) at `slot_mapping` (N,) int64."""
+    head_dim; any strides, last one 1) at `slot_mapping` (N,) int64; into an fp8 cache cast,
+    saturated."""
     n, _, kv_heads, head_dim = kv.shape
-    assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and kv.dtype == cache.dtype
+    fp8 = cache.dtype in FP8_DTYPES
+    assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and (fp8 or kv.dtype == cache.dtype)
     if n == 0:
         return
     _write_kv_kernel[(n, 2, kv_heads)](
@@ -117,6 +144,9 @@ def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) 
         *cache.stride()[:4],
         cache.shape[3],
         head_dim,
+        FP8_MAX=torch.finfo(cache.dtype).max if fp8 else 0.0,
+        FP8_EMIN=-6 if cache.dtype == torch.float8_e4m3fn else -14,
+        FP8_MBITS=3 if cache.dtype == torch.float8_e4m3fn else 2,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
@@ -153,6 +183,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # an fp8 cache: keys and values widened to q's dtype once loaded
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -199,6 +230,9 @@ def _decode_kernel(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(kv_base + stride_c_kv + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -300,6 +334,10 @@ def paged_decode(
     block_d = pow2(head_dim)
     upcast, precision = dot_options(q.dtype)
     launch = decode_launch(cfg, q.dtype, head_dim, group)
+    if cache.dtype in FP8_DTYPES and head_dim > 128 and cfg.decode_block_n is None:
+        # the fp8 tiles and their widened copies of 256-wide heads spill at 32 keys
+        # (layers/kv_fp8_compile.py): 16 keys per iteration
+        launch = dataclasses.replace(launch, block_n=launch.block_n // 2)
     if num_splits > 1:
         part_out = torch.empty(d, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(d, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -329,6 +367,7 @@ def paged_decode(
         USE_WINDOW=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        KV_FP8=cache.dtype in FP8_DTYPES,
         BLOCK_G=pow2(group),
         BLOCK_N=launch.block_n,
         BLOCK_D=block_d,

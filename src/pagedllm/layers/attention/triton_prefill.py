@@ -7,7 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.attention.triton_kernels import LOG2E_C, dot_options, score_scales
+from pagedllm.layers.attention.triton_kernels import (
+    FP8_DTYPES,
+    LOG2E_C,
+    dot_options,
+    score_scales,
+)
 from pagedllm.layers.attention.triton_launch import KernelConfig, pow2, prefill_launch
 
 # --- prefill / chunked prefill ---------------------------------------------------------------
@@ -42,6 +47,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -90,6 +96,9 @@ def _prefill_kernel(
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(kv_base + stride_c_kv + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:  # widened to q's dtype (triton_kernels.py)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -173,6 +182,7 @@ def paged_prefill(
         USE_WINDOW=window is not None,
         SOFTCAP=softcap is not None,
         SINKS=sinks is not None,
+        KV_FP8=cache.dtype in FP8_DTYPES,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_D=pow2(head_dim),
