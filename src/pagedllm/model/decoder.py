@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
@@ -30,6 +29,7 @@ from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 from pagedllm.model import decoder_kernel
+from pagedllm.model.decoder_ops import act_and_mul, join, row_parallel
 from pagedllm.model.mla import MlaAttention, MlaWeights, mla_forward, mla_weights
 from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weights
 
@@ -254,12 +254,12 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         post: torch.Tensor | None = None  # the norm the pending output takes before it joins
         for i, w in enumerate(self.layer_weights):
-            x, residual = _join(x, residual, post, w.ln1, eps)
+            x, residual = join(x, residual, post, w.ln1, eps)
             x = self._attention(x, w, ctx, ctx.kv_caches[i])
-            x, residual = _join(x, residual, w.post1, w.ln2, eps)
+            x, residual = join(x, residual, w.post1, w.ln2, eps)
             x = self._mlp(x, w)
             post = w.post2
-        x, _ = _join(x, residual, post, self.norm.weight, eps)
+        x, _ = join(x, residual, post, self.norm.weight, eps)
         return x
 
     def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
@@ -268,7 +268,7 @@ class CausalLM(nn.Module):
             return moe_forward(x, w.moe, cfg.moe, cfg.activation, self.tp)
         assert w.gate_up_w is not None and w.down_w is not None
         gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-        return _row_parallel(_act_and_mul(gate_up, cfg.activation), w.down_w, w.down_b, self.tp)
+        return row_parallel(act_and_mul(gate_up, cfg.activation), w.down_w, w.down_b, self.tp)
 
     def _attention(
         self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor
@@ -278,7 +278,7 @@ class CausalLM(nn.Module):
             rotary = None if w.rope is None else ctx.rotary[w.rope]
             eps, scale, m = cfg.rms_norm_eps, w.attn.scale, ctx.attn_metadata
             o = mla_forward(x, w.mla, cfg.mla, eps, rotary, kv_cache, m, scale)
-            return _row_parallel(o, w.o_w, w.o_b, self.tp)
+            return row_parallel(o, w.o_w, w.o_b, self.tp)
         n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         assert w.qkv_w is not None
         # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
@@ -291,7 +291,7 @@ class CausalLM(nn.Module):
             cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary[w.rope])
         q, kv = split_qkv(qkv, h, kvh)
         o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, w.attn)
-        return _row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, self.tp)
+        return row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, self.tp)
 
     def _qk_norm(self, t: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
         """RMSNorm of q or k (N, heads, head_dim): per head, or over the whole projection
@@ -343,44 +343,3 @@ class CausalLM(nn.Module):
         outside = (local < 0) | (local >= self.plan.vocab_rows)
         x = embedding(local.masked_fill(outside, 0), self._io[0], dtype)
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
-
-
-def _row_parallel(
-    x: torch.Tensor, w: Weight, bias: torch.Tensor | None, tp: TPGroup | None
-) -> torch.Tensor:
-    """A row-parallel linear: each rank's partial sum, all-reduced, then the bias."""
-    if tp is None:
-        return linear(x, w, bias)
-    out = tp.all_reduce(linear(x, w))
-    return out if bias is None else out.add_(bias)
-
-
-def _join(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    post: torch.Tensor | None,
-    pre: torch.Tensor | None,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pending block output `x` (normed by `post` where the family norms after a block)
-    joins the stream `residual` (the first call, with none yet, starts it as x); returns the
-    next block's input (the stream normed by `pre`, or the stream itself where the family
-    norms before no block) and the stream. Fused on the CPU (may overwrite x and residual
-    in place)."""
-    if post is not None:
-        x = cpu_kernels.rms_norm(x, post, eps)
-    if pre is None:
-        residual = x if residual is None else residual + x
-        return residual, residual
-    if residual is None:
-        return cpu_kernels.rms_norm(x, pre, eps), x
-    return cpu_kernels.fused_add_rms_norm(x, residual, pre, eps)
-
-
-def _act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """`act(gate) * up` where `gate, up = gate_up.chunk(2, -1)`."""
-    if activation == "silu":
-        return cpu_kernels.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    approximate = "tanh" if activation == "gelu_tanh" else "none"
-    return F.gelu(gate, approximate=approximate) * up
