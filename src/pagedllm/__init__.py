@@ -9,10 +9,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchParams
     from pagedllm.llm import LLM
+    from pagedllm.lora import LoRARequest
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 # NOTE: imported on first use, not here: the Triton models that only tokenize, detokenize or
@@ -22,6 +30,7 @@ _HOMES = {
     "LLM": "pagedllm.llm",
     "BeamSearchParams": "pagedllm.beam_search",
     "CompletionOutput": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora",
     "RequestOutput": "pagedllm.outputs",
     "SamplingParams": "pagedllm.sampling_params",
 }

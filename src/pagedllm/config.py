@@ -13,6 +13,7 @@ from pagedllm import kv_budget
 from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
+from pagedllm.lora.request import LoRAConfig
 from pagedllm.model_config import ModelConfig, RopeConfig
 
 __all__ = [  # re-exported
@@ -80,6 +81,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # adapters running at once (LoRAConfig.max_loras); 0: LoRA off
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -118,6 +121,8 @@ class EngineConfig:
     # streamed (DELTA) outputs: one per this many new tokens of a sample, besides its first
     # and its last (vLLM's stream_interval): fewer, larger responses for less per-response work
     stream_interval: int = 1
+    # LoRA adapters (pagedllm.lora); None: off
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -150,13 +155,15 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         stream_interval: int = 1,
         free_out_of_window_blocks: bool = True,
+        lora: LoRAConfig | None = None,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
         comes from the device's free memory (`gpu_memory_utilization`), not from
         `kv_cache_memory`. `quantization`: QUANTIZATIONS, or None / "none" for the checkpoint's
         weights in `dtype`. `free_out_of_window_blocks`: on a model whose every layer has a
-        sliding window, free a request's blocks once they fall out of it."""
+        sliding window, free a request's blocks once they fall out of it. `lora`: serve LoRA
+        adapters (docs/lora.md)."""
         device = resolve_device(device)
         quantization = check_quantization(quantization)
         check_utilization(gpu_memory_utilization)  # before it sizes a GPU's KV pool
@@ -189,7 +196,10 @@ class EngineConfig:
             max_num_batched_tokens=batched_tokens,
             max_model_len=model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            max_loras=0 if lora is None else lora.max_loras,
         )
+        if lora is not None and model.mla is not None:
+            raise ConfigError("LoRA adapters are not supported on latent-attention (MLA) models")
         return EngineConfig(
             model_dir=str(model_dir),
             model=model,
@@ -203,6 +213,7 @@ class EngineConfig:
             quantization=quantization,
             tensor_parallel_size=tensor_parallel_size,
             stream_interval=stream_interval,
+            lora=lora,
         )
 
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
+from pagedllm.lora import LoRAConfig, LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,7 +35,9 @@ class LLM:
     them, as does this process's exit). On a GPU, as vLLM's: `gpu_memory_utilization`, the
     share of the device this engine may use (its KV pool takes what the weights and
     activations leave; `kv_cache_memory` is the CPU's budget), and `enforce_eager` (decode
-    steps without CUDA graphs)."""
+    steps without CUDA graphs). `enable_lora`: serve LoRA adapters (`generate`'s
+    `lora_request`): `max_loras` at once on the device, ranks up to `max_lora_rank`,
+    `max_cpu_loras` kept read in host memory (docs/lora.md)."""
 
     def __init__(
         self,
@@ -55,7 +58,12 @@ class LLM:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         config = EngineConfig.create(
             model,
             dtype=dtype,
@@ -73,6 +81,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            lora=lora,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -95,9 +104,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A prompt that cannot run raises ValueError
-        before anything is generated."""
+        before anything is generated. `lora_request`: one adapter for every prompt, or one
+        per prompt (None: the base model)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -110,7 +121,14 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params, loras)
         return self._run(ids, use_tqdm)
 
     def beam_search(
@@ -140,13 +158,19 @@ class LLM:
                     bar.update(1)
         return [results[i] for i in ids]
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+    ) -> list[str]:
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = str(next(self._ids))
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, _prompt_input(prompt), final_only)
+                prompt_input = _prompt_input(prompt)
+                self.engine.add_request(request_id, prompt_input, final_only, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

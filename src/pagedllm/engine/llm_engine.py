@@ -24,6 +24,8 @@ from pagedllm.engine.faults import (
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tracing import Tracer, trace_scheduled, trace_step
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.slots import check_request
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
@@ -100,9 +102,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (text or token ids). Raises ValueError for one that cannot run;
-        nothing is queued then. Raises EngineDeadError once the engine is poisoned."""
+        """Queue a request (text or token ids), on a LoRA adapter if `lora_request`. Raises
+        ValueError for one that cannot run; nothing is queued then. Raises EngineDeadError
+        once the engine is poisoned."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.output_processor.has(request_id):
@@ -120,6 +124,7 @@ class LLMEngine:
             params = dataclasses.replace(params)  # the caller's object stays as it was
             params.update_from_tokenizer(self._encode_word, vocab)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        check_request(self.runner.lora, lora_request)  # the adapter read (and cached) here
         grammar = None
         if params.structured_outputs is not None:  # a bad schema is refused here, not later
             # (a server compiles on the request's own thread first: this is a cache hit)
@@ -134,6 +139,7 @@ class LLMEngine:
                 eos,
                 now,
                 seed=None if params.seed is None else params.seed + i,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]

@@ -19,6 +19,7 @@ folded into o_proj and down_proj.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -36,6 +37,7 @@ from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weig
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
     from pagedllm.distributed.shard import ShardPlan
+    from pagedllm.lora.ops import LoraStep
 
 
 class RMSNorm(nn.Module):
@@ -121,12 +123,13 @@ class LayerWeights(NamedTuple):
 class ForwardContext(NamedTuple):
     """Everything a step's layers share: the rotation of each token by each of the model's
     ropes (complex, (N, 1, head_dim/2) each), the KV caches, the attention backend and its
-    per-step metadata."""
+    per-step metadata; the step's LoRA deltas (lora/ops.py; None: no adapter in the step)."""
 
     rotary: tuple[torch.Tensor, ...]
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
     attn_metadata: Any
+    lora: LoraStep | None = None
 
 
 class CausalLM(nn.Module):
@@ -232,7 +235,8 @@ class CausalLM(nn.Module):
         x = self._embed(input_ids)
         if cfg.embed_scale != 1.0:  # in the model's dtype, as transformers scales it
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        decodes = ctx.backend.decode_batch(ctx.attn_metadata) if self._kernel_weights else None
+        fused = self._kernel_weights and ctx.lora is None  # csrc/decoder.cpp has no LoRA
+        decodes = ctx.backend.decode_batch(ctx.attn_metadata) if fused else None
         if decodes is not None and x.shape[0] <= self._kernel_rows:
             x = self._decode_layers(x, ctx, decodes)
         else:
@@ -255,25 +259,30 @@ class CausalLM(nn.Module):
         post: torch.Tensor | None = None  # the norm the pending output takes before it joins
         for i, w in enumerate(self.layer_weights):
             x, residual = join(x, residual, post, w.ln1, eps)
-            x = self._attention(x, w, ctx, ctx.kv_caches[i])
+            x = self._attention(x, w, ctx, i)
             x, residual = join(x, residual, w.post1, w.ln2, eps)
-            x = self._mlp(x, w)
+            x = self._mlp(x, w, ctx, i)
             post = w.post2
         x, _ = join(x, residual, post, self.norm.weight, eps)
         return x
 
-    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        cfg = self.config
+    def _mlp(self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, i: int) -> torch.Tensor:
+        cfg, lora = self.config, ctx.lora
         if w.moe is not None and cfg.moe is not None:
             return moe_forward(x, w.moe, cfg.moe, cfg.activation, self.tp)
         assert w.gate_up_w is not None and w.down_w is not None
         gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-        return row_parallel(act_and_mul(gate_up, cfg.activation), w.down_w, w.down_b, self.tp)
+        if lora is not None:
+            lora.add(i, "gate_up", x, gate_up)
+        h = act_and_mul(gate_up, cfg.activation)
+        return row_parallel(
+            h, w.down_w, w.down_b, self.tp, None if lora is None else partial(lora.add, i, "down")
+        )
 
     def _attention(
-        self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor
+        self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, i: int
     ) -> torch.Tensor:
-        cfg = self.config
+        cfg, kv_cache, lora = self.config, ctx.kv_caches[i], ctx.lora
         if w.mla is not None and cfg.mla is not None:  # over the torch backend's metadata
             rotary = None if w.rope is None else ctx.rotary[w.rope]
             eps, scale, m = cfg.rms_norm_eps, w.attn.scale, ctx.attn_metadata
@@ -281,8 +290,10 @@ class CausalLM(nn.Module):
             return row_parallel(o, w.o_w, w.o_b, self.tp)
         n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         assert w.qkv_w is not None
-        # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
-        qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
+        qkv = linear(x, w.qkv_w, w.qkv_b)
+        if lora is not None:
+            lora.add(i, "qkv", x, qkv)
+        qkv = qkv.view(n, -1, hd)  # (N, heads + 2 * kv_heads, head_dim): q, then k, then v
         if w.q_norm is not None and w.k_norm is not None:
             q, k = qkv[:, :h], qkv[:, h : h + kvh]
             q.copy_(self._qk_norm(q, w.q_norm, 1))
@@ -291,7 +302,8 @@ class CausalLM(nn.Module):
             cpu_kernels.rotary_embedding(qkv[:, : h + kvh], ctx.rotary[w.rope])
         q, kv = split_qkv(qkv, h, kvh)
         o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, w.attn)
-        return row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, self.tp)
+        o_lora = None if lora is None else partial(lora.add, i, "o")
+        return row_parallel(o.reshape(n, h * hd), w.o_w, w.o_b, self.tp, o_lora)
 
     def _qk_norm(self, t: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
         """RMSNorm of q or k (N, heads, head_dim): per head, or over the whole projection

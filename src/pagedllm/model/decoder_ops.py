@@ -3,6 +3,7 @@ a block's output joining the residual stream, the gated activation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,12 +17,20 @@ if TYPE_CHECKING:
 
 
 def row_parallel(
-    x: torch.Tensor, w: Weight, bias: torch.Tensor | None, tp: TPGroup | None
+    x: torch.Tensor,
+    w: Weight,
+    bias: torch.Tensor | None,
+    tp: TPGroup | None,
+    lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """A row-parallel linear: each rank's partial sum, all-reduced, then the bias."""
+    """A row-parallel linear: each rank's partial sum, plus its partial LoRA delta `lora(x,
+    out)` (its columns of A: the deltas sum as the products do), all-reduced, then the bias."""
+    out = linear(x, w, bias if tp is None else None)
+    if lora is not None:
+        lora(x, out)
     if tp is None:
-        return linear(x, w, bias)
-    out = tp.all_reduce(linear(x, w))
+        return out
+    out = tp.all_reduce(out)
     return out if bias is None else out.add_(bias)
 
 
