@@ -100,15 +100,9 @@ def test_one_adapter_for_every_prompt(base: Path, adapters: dict, oracles: dict)
 def test_chunked_prefill_and_preemption(base: Path, adapters: dict, oracles: dict) -> None:
     names, loras = mixed(adapters, 8)
     prompts = random_prompts(8, (20, 50), TINY["vocab_size"], seed=4)
-    llm = LLM(
-        str(base),
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=8,
-        max_num_batched_tokens=13,
-        block_size=4,
-        num_kv_blocks=30,
-    )
+    # 13-token chunks; a pool of 30 blocks of 4 tokens: requests are preempted
+    small: dict[str, Any] = dict(max_num_batched_tokens=13, block_size=4, num_kv_blocks=30)
+    llm = LLM(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **small)
     got = [o.outputs[0].token_ids for o in generate(llm, prompts, loras)]
     assert llm.engine.stats().num_preemptions > 0
     assert got == expected(oracles, prompts, names)

@@ -130,38 +130,48 @@ class LoraSlots:
             "down": (1, d, i),
         }
         self._part_rows = {"qkv": [0, q, q + kv], "o": [0], "gate_up": [0, i], "down": [0]}
-        s, r = lora.max_loras, lora.max_lora_rank
+        s, r, layers = lora.max_loras, lora.max_lora_rank, cfg.num_layers
+        # module -> every layer's A (layers, slots, parts * R, in) and B (layers, slots, out,
+        # parts * R): a slot is written by one copy per tensor (a swap is 8 copies)
+        self.pool = {
+            m: (
+                torch.zeros(layers, s, parts * r, inp, dtype=dtype, device=device),
+                torch.zeros(layers, s, out, parts * r, dtype=dtype, device=device),
+            )
+            for m, (parts, out, inp) in shapes.items()
+        }
+        moe = cfg.layer_moe or (False,) * layers  # an MoE layer's MLP takes no adapter
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {
-                m: (
-                    torch.zeros(s, parts * r, inp, dtype=dtype, device=device),
-                    torch.zeros(s, out, parts * r, dtype=dtype, device=device),
-                )
-                for m, (parts, out, inp) in shapes.items()
-                if not (m in ("gate_up", "down") and cfg.layer_moe and cfg.layer_moe[layer])
+                m: (a[layer], b[layer])
+                for m, (a, b) in self.pool.items()
+                if not (m in ("gate_up", "down") and moe[layer])
             }
-            for layer in range(cfg.num_layers)
+            for layer in range(layers)
         ]
         # module -> which slots' adapters adapt it (a module no slot of a step adapts is skipped)
         self.adapts = {m: [False] * s for m in MODULES}
         self.device = device
 
     def load(self, slot: int, request: LoRARequest) -> None:
-        """Write `request`'s adapter into `slot` (this rank's shard of it)."""
+        """Write `request`'s adapter into `slot` (this rank's shard of it): staged whole in
+        host memory, then one copy per pool tensor."""
         adapter = self.host.get(request)
         r = self.config.max_lora_rank
-        for layer_weights in self.weights:
-            for a, b in layer_weights.values():
-                a[slot].zero_()
-                b[slot].zero_()
+        staged = {
+            m: (a.new_zeros(a[:, 0].shape, device="cpu"), b.new_zeros(b[:, 0].shape, device="cpu"))
+            for m, (a, b) in self.pool.items()
+        }
         for (layer, proj), (a_full, b_full) in adapter.weights.items():
             module, part = PROJECTIONS[proj]
             a_part, b_part = self._shard(a_full, b_full, layer, module, part)
-            a, b = self.weights[layer][module]
+            a, b = staged[module]
             rows, rank = self._part_rows[module][part], a_part.shape[0]
-            a[slot, part * r : part * r + rank].copy_(a_part)
-            b[slot, rows : rows + b_part.shape[0], part * r : part * r + rank].copy_(b_part)
-        for m in MODULES:
+            a[layer, part * r : part * r + rank].copy_(a_part)
+            b[layer, rows : rows + b_part.shape[0], part * r : part * r + rank].copy_(b_part)
+        for m, (a, b) in self.pool.items():
+            a[:, slot].copy_(staged[m][0], non_blocking=True)
+            b[:, slot].copy_(staged[m][1], non_blocking=True)
             self.adapts[m][slot] = m in adapter.modules
 
     def _shard(
