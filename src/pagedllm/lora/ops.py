@@ -7,7 +7,8 @@ pair per adapter present in the step, whatever the number of requests; a slot wh
 lie in one contiguous run (a single request, or requests of one adapter side by side) is a
 slice, not a gather. On the CPU one C++ call does a module's every token instead
 (csrc/lora.cpp, punica's BGMV: each token through its slot's A and B, tokens over the
-threads); the grouped torch path is the fallback and the GPU's.
+threads), on a GPU two Triton launches (lora/triton_ops.py); the grouped torch path is the
+fallback.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class LoraStep:
         if pair is None:
             return
         if self.kernel is not None and self.kernel.lora_bgmv(out, x, *pair, self.token_slots):
+            return
+        if out.is_cuda:  # two Triton launches, every token (lora/triton_ops.py)
+            from pagedllm.lora.triton_ops import lora_bgmv_triton
+
+            lora_bgmv_triton(out, x, pair[0], pair[1], self.token_slots)
             return
         lora_grouped(out, x, pair[0], pair[1], self.groups)
 
