@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedllm.beam_search import BeamSearchParams
     from pagedllm.llm import LLM
+    from pagedllm.lora import LoRARequest
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
     from pagedllm.pooling.params import PoolerConfig, PoolingParams
@@ -20,6 +21,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolerConfig",
     "PoolingParams",
     "RequestOutput",
@@ -34,6 +36,7 @@ _HOMES = {
     "LLM": "pagedllm.llm",
     "BeamSearchParams": "pagedllm.beam_search",
     "CompletionOutput": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora",
     "RequestOutput": "pagedllm.outputs",
     "EmbeddingOutput": "pagedllm.pooling.outputs",
     "EmbeddingRequestOutput": "pagedllm.pooling.outputs",

@@ -14,6 +14,7 @@ from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
 from pagedllm.kv_cache_dtype import check_kv_cache_dtype, check_supported
+from pagedllm.lora.request import LoRAConfig
 from pagedllm.model_config import ModelConfig, RopeConfig
 
 __all__ = [  # re-exported
@@ -86,6 +87,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # adapters running at once (LoRAConfig.max_loras); 0: LoRA off
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -124,6 +127,8 @@ class EngineConfig:
     # streamed (DELTA) outputs: one per this many new tokens of a sample, besides its first
     # and its last (vLLM's stream_interval): fewer, larger responses for less per-response work
     stream_interval: int = 1
+    # LoRA adapters (pagedllm.lora); None: off
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -163,6 +168,7 @@ class EngineConfig:
         free_out_of_window_blocks: bool = True,
         num_state_slots: int | None = None,
         kv_cache_dtype: str = "auto",
+        lora: LoRAConfig | None = None,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
@@ -171,7 +177,7 @@ class EngineConfig:
         weights in `dtype`. `free_out_of_window_blocks`: on a model whose every layer has a
         sliding window, free a request's blocks once they fall out of it. `kv_cache_dtype`:
         vLLM's values (kv_cache_dtype.KV_CACHE_DTYPES), refused here where the device cannot
-        run it."""
+        run it. `lora`: serve LoRA adapters (docs/lora.md)."""
         device = resolve_device(device)
         kv_kind = check_kv_cache_dtype(kv_cache_dtype)
         quantization = check_quantization(quantization)
@@ -219,7 +225,11 @@ class EngineConfig:
             max_num_batched_tokens=batched_tokens,
             max_model_len=model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            max_loras=0 if lora is None else lora.max_loras,
         )
+        if lora is not None and (model.mla is not None or model.hybrid is not None):
+            kind = "latent-attention (MLA)" if model.mla is not None else "hybrid (Qwen3.5)"
+            raise ConfigError(f"LoRA adapters are not supported on {kind} models")
         return EngineConfig(
             model_dir=str(model_dir),
             model=model,
@@ -233,6 +243,7 @@ class EngineConfig:
             quantization=quantization,
             tensor_parallel_size=tensor_parallel_size,
             stream_interval=stream_interval,
+            lora=lora,
         )
 
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
+from pagedllm.lora import LoRAConfig, LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling.engine import PoolingEngine
 from pagedllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -42,7 +43,9 @@ class LLM:
     `runner="pooling"` (with `pooler_config`): the model as an embedder, for `embed` alone
     (`pagedllm.pooling`, docs/embeddings.md). `kv_cache_dtype`: vLLM's values, auto (the
     model's dtype), int8 / int8_per_token_head (the CPU) or fp8 / fp8_e4m3 / fp8_e5m2
-    (docs/kv_cache.md)."""
+    (docs/kv_cache.md). `enable_lora`: serve LoRA adapters (`generate`'s `lora_request`):
+    `max_loras` at once on the device, ranks up to `max_lora_rank`, `max_cpu_loras` kept
+    read in host memory (docs/lora.md)."""
 
     def __init__(
         self,
@@ -67,9 +70,14 @@ class LLM:
         runner: str = "generate",
         pooler_config: PoolerConfig | None = None,
         kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         if runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling', got {runner!r}")
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         config = EngineConfig.create(
             model,
             dtype=dtype,
@@ -89,6 +97,7 @@ class LLM:
             enforce_eager=enforce_eager,
             num_state_slots=num_state_slots,
             kv_cache_dtype=kv_cache_dtype,
+            lora=lora,
         )
         self.pooling = PoolingEngine(config, pooler_config) if runner == "pooling" else None
         self._engine = LLMEngine(config) if self.pooling is None else None
@@ -145,9 +154,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A prompt that cannot run raises ValueError
-        before anything is generated."""
+        before anything is generated. `lora_request`: one adapter for every prompt, or one
+        per prompt (None: the base model)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -160,7 +171,14 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params, loras)
         return self._run(ids, use_tqdm)
 
     def beam_search(
@@ -190,13 +208,19 @@ class LLM:
                     bar.update(1)
         return [results[i] for i in ids]
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+    ) -> list[str]:
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = str(next(self._ids))
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, _prompt_input(prompt), final_only)
+                prompt_input = _prompt_input(prompt)
+                self.engine.add_request(request_id, prompt_input, final_only, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

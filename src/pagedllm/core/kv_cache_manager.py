@@ -257,7 +257,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else b""
+            lora = request.lora_request  # an adapter's KV is its own
+            parent = hashes[i - 1] if i else (b"" if lora is None else lora.cache_salt)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def check_integrity(self) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_group import BeamGroup, BeamGroups, resume_group, schedule_group
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     seed: int | None = None
     state_slot: int = -1  # its linear-attention state slot (a hybrid model), else -1
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -222,6 +224,8 @@ class Scheduler:
                     return
                 budget -= sum(s.num_tokens for s in out.scheduled[-len(unit) :])
                 continue
+            if not self._lora_slot_free(request):  # it waits for an adapter slot
+                return
             # prompt logprobs need every prompt position computed: no prefix hits
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.get_computed_blocks(request)
@@ -246,6 +250,13 @@ class Scheduler:
             self._schedule(out, request, num_new)
             budget -= num_new
 
+    def _lora_slot_free(self, request: Request) -> bool:
+        """Its adapter runs already, or fewer than max_loras adapters do."""
+        if (lora := request.lora_request) is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id in running or len(running) < self.config.max_loras
+
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
@@ -261,6 +272,7 @@ class Scheduler:
                 output_token_ids=request.output_token_ids,
                 seed=request.seed,
                 state_slot=self.kv.state_slot(request.request_id),
+                lora_request=request.lora_request,
             )
         )
 

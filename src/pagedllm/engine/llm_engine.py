@@ -23,7 +23,9 @@ from pagedllm.engine.faults import (
 )
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.tracing import Tracer
+from pagedllm.engine.tracing import Tracer, trace_scheduled, trace_step
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.slots import check_request
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
@@ -102,9 +104,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (text or token ids). Raises ValueError for one that cannot run;
-        nothing is queued then. Raises EngineDeadError once the engine is poisoned."""
+        """Queue a request (text or token ids), on a LoRA adapter if `lora_request`. Raises
+        ValueError for one that cannot run; nothing is queued then. Raises EngineDeadError
+        once the engine is poisoned."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.output_processor.has(request_id):
@@ -122,6 +126,7 @@ class LLMEngine:
             params = dataclasses.replace(params)  # the caller's object stays as it was
             params.update_from_tokenizer(self._encode_word, vocab)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        check_request(self.runner.lora, lora_request)  # the adapter read (and cached) here
         grammar = None
         if params.structured_outputs is not None:  # a bad schema is refused here, not later
             # (a server compiles on the request's own thread first: this is a cache hit)
@@ -136,6 +141,7 @@ class LLMEngine:
                 eos,
                 now,
                 seed=None if params.seed is None else params.seed + i,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]
@@ -217,7 +223,7 @@ class LLMEngine:
         for request in sched.admitted:
             request.first_scheduled_time = start
         if self.tracer is not None:
-            self._trace_scheduled(sched)
+            trace_scheduled(self.tracer, sched)
         if self.metrics is not None:
             self.metrics.scheduled(sched.admitted, start)
         try:
@@ -236,7 +242,7 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(changed, result)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.tracer is not None:
-            self._trace_step(sched, changed, now - start)
+            trace_step(self.tracer, sched, changed, now - start)
         self._record_finished(now)
         return failed + outputs
 
@@ -344,39 +350,6 @@ class LLMEngine:
                     output_tokens=request.num_output_tokens,
                 )
         self.scheduler.just_finished.clear()
-
-    def _trace_scheduled(self, sched: SchedulerOutput) -> None:
-        assert self.tracer is not None
-        for request_id in sched.preempted_ids:
-            self.tracer.event("preempted", request_id)
-        for request in sched.admitted:
-            self.tracer.event("scheduled", request.request_id, cached=request.num_cached_tokens)
-        for request_id in sched.resumed_ids:
-            self.tracer.event("resumed", request_id)
-
-    def _trace_step(self, sched: SchedulerOutput, changed: list[Request], duration: float) -> None:
-        assert self.tracer is not None
-        prefill_tokens = 0
-        for s in sched.scheduled:
-            if s.start_pos < len(s.prompt_token_ids):  # a prompt chunk (or its recompute)
-                prefill_tokens += s.num_tokens
-                self.tracer.event(
-                    "prefill_chunk",
-                    s.request_id,
-                    start=s.start_pos,
-                    tokens=s.num_tokens,
-                    duration=round(duration, 6),
-                )
-        for request in changed:
-            if request.num_output_tokens == 1:
-                self.tracer.event("first_token", request.request_id)
-        self.tracer.event(
-            "step",
-            duration=round(duration, 6),
-            requests=len(sched.scheduled),
-            prefill_tokens=prefill_tokens,
-            decode_tokens=sched.num_tokens - prefill_tokens,
-        )
 
     def stats(self) -> EngineStats:
         s, kv, m = self.scheduler, self.scheduler.kv, self.metrics

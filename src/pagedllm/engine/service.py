@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pagedllm.beam_search import BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.faults import EngineDeadError, describe
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class _Submit:
     params: SamplingParams | BeamSearchParams
     on_output: OnOutput | OnBeams
     on_error: OnError
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -98,8 +100,9 @@ class EngineService:
         params: SamplingParams,
         on_output: OnOutput,
         on_error: OnError,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. A request the engine rejects gets `on_error(ValueError)`, one the
+        """Queue a request (on a LoRA adapter if `lora_request`). A request the engine rejects gets `on_error(ValueError)`, one the
         model runner fails on `on_error(RequestFailedError)`, and every request in flight when
         the engine is poisoned `on_error(EngineDeadError)`. Raises EngineDeadError at once when
         the service is not `healthy`, RuntimeError when it is shutting down."""
@@ -108,7 +111,8 @@ class EngineService:
                 raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            self._commands.put(_Submit(request_id, prompt, params, on_output, on_error))
+            cmd = _Submit(request_id, prompt, params, on_output, on_error, lora_request)
+            self._commands.put(cmd)
 
     def submit_beam_search(
         self,
@@ -192,7 +196,8 @@ class EngineService:
             if isinstance(cmd.params, BeamSearchParams):
                 self.engine.add_beam_search(cmd.request_id, cmd.prompt, cmd.params)
             else:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                lora = cmd.lora_request
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, lora_request=lora)
         except ValueError as e:
             _call(cmd.on_error, e)
             return

@@ -19,10 +19,10 @@ folded into o_proj and down_proj.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
@@ -30,6 +30,7 @@ from pagedllm.layers.attention import AttentionBackend, cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 from pagedllm.model import decoder_kernel
+from pagedllm.model.decoder_ops import act_and_mul, join, row_parallel
 from pagedllm.model.gdn_block import GdnAttention, GdnStep, GdnWeights, gdn_forward, gdn_weights
 from pagedllm.model.mla import MlaAttention, MlaWeights, mla_forward, mla_weights
 from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weights
@@ -37,6 +38,7 @@ from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weig
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
     from pagedllm.distributed.shard import ShardPlan
+    from pagedllm.lora.ops import LoraStep
 
 
 class RMSNorm(nn.Module):
@@ -126,12 +128,13 @@ class LayerWeights(NamedTuple):
 class ForwardContext(NamedTuple):
     """Everything a step's layers share: the rotation of each token by each of the model's
     ropes (complex, (N, 1, head_dim/2) each), the KV caches, the attention backend and its
-    per-step metadata."""
+    per-step metadata; the step's LoRA deltas (lora/ops.py; None: no adapter in the step)."""
 
     rotary: tuple[torch.Tensor, ...]
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
     attn_metadata: Any
+    lora: LoraStep | None = None
     gdn: GdnStep | None = None  # a hybrid model's linear-attention states (model/gdn_block.py)
 
 
@@ -237,7 +240,8 @@ class CausalLM(nn.Module):
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
         cfg = self.config
         x = self._scaled_embed(input_ids)
-        decodes = ctx.backend.decode_batch(ctx.attn_metadata) if self._kernel_weights else None
+        fused = self._kernel_weights and ctx.lora is None  # csrc/decoder.cpp has no LoRA
+        decodes = ctx.backend.decode_batch(ctx.attn_metadata) if fused else None
         if decodes is not None and x.shape[0] <= self._kernel_rows:
             x = self._decode_layers(x, ctx, decodes)
         else:
@@ -270,39 +274,47 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         post: torch.Tensor | None = None  # the norm the pending output takes before it joins
         for i, w in enumerate(self.layer_weights):
-            x, residual = _join(x, residual, post, w.ln1, eps)
-            x = self._attention(x, w, ctx, ctx.kv_caches[i])
-            x, residual = _join(x, residual, w.post1, w.ln2, eps)
-            x = self._mlp(x, w)
+            x, residual = join(x, residual, post, w.ln1, eps)
+            x = self._attention(x, w, ctx, i)
+            x, residual = join(x, residual, w.post1, w.ln2, eps)
+            x = self._mlp(x, w, ctx, i)
             post = w.post2
-        x, _ = _join(x, residual, post, self.norm.weight, eps)
+        x, _ = join(x, residual, post, self.norm.weight, eps)
         return x
 
-    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        cfg = self.config
+    def _mlp(self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, i: int) -> torch.Tensor:
+        cfg, lora = self.config, ctx.lora
         if w.moe is not None and cfg.moe is not None:
             return moe_forward(x, w.moe, cfg.moe, cfg.activation, self.tp)
         assert w.gate_up_w is not None and w.down_w is not None
         gate_up = linear(x, w.gate_up_w, w.gate_up_b)
-        return _row_parallel(_act_and_mul(gate_up, cfg.activation), w.down_w, w.down_b, self.tp)
+        if lora is not None:
+            lora.add(i, "gate_up", x, gate_up)
+        h = act_and_mul(gate_up, cfg.activation)
+        return row_parallel(
+            h, w.down_w, w.down_b, self.tp, None if lora is None else partial(lora.add, i, "down")
+        )
 
     def _attention(
-        self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, kv_cache: torch.Tensor
+        self, x: torch.Tensor, w: LayerWeights, ctx: ForwardContext, i: int
     ) -> torch.Tensor:
-        cfg = self.config
+        cfg, kv_cache, lora = self.config, ctx.kv_caches[i], ctx.lora
         if w.mla is not None and cfg.mla is not None:  # over the torch backend's metadata
             rotary = None if w.rope is None else ctx.rotary[w.rope]
             eps, scale, m = cfg.rms_norm_eps, w.attn.scale, ctx.attn_metadata
             o = mla_forward(x, w.mla, cfg.mla, eps, rotary, kv_cache, m, scale)
-            return _row_parallel(o, w.o_w, w.o_b, self.tp)
+            return row_parallel(o, w.o_w, w.o_b, self.tp)
         if w.gdn is not None and cfg.hybrid is not None and ctx.gdn is not None:
             o = gdn_forward(x, w.gdn, cfg.hybrid, ctx.gdn, cfg.rms_norm_eps)
-            return _row_parallel(o, w.o_w, w.o_b, self.tp)
+            return row_parallel(o, w.o_w, w.o_b, self.tp)
         n, h, kvh, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         assert w.qkv_w is not None
+        qkv = linear(x, w.qkv_w, w.qkv_b)
+        if lora is not None:
+            lora.add(i, "qkv", x, qkv)
         # (N, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads (then the
         # q heads' output gates: gated attention)
-        qkv = linear(x, w.qkv_w, w.qkv_b).view(n, -1, hd)
+        qkv = qkv.view(n, -1, hd)
         if w.q_norm is not None and w.k_norm is not None:
             q, k = qkv[:, :h], qkv[:, h : h + kvh]
             q.copy_(self._qk_norm(q, w.q_norm, 1))
@@ -313,7 +325,8 @@ class CausalLM(nn.Module):
         o = ctx.backend.forward(q, kv, kv_cache, ctx.attn_metadata, w.attn).reshape(n, h * hd)
         if cfg.hybrid is not None:  # gated attention: o * sigmoid(gate), per head
             o = o * torch.sigmoid(qkv[:, h + 2 * kvh :].reshape(n, h * hd))
-        return _row_parallel(o, w.o_w, w.o_b, self.tp)
+        o_lora = None if lora is None else partial(lora.add, i, "o")
+        return row_parallel(o, w.o_w, w.o_b, self.tp, o_lora)
 
     def _qk_norm(self, t: torch.Tensor, weight: torch.Tensor, replicas: int) -> torch.Tensor:
         """RMSNorm of q or k (N, heads, head_dim): per head, or over the whole projection
@@ -366,44 +379,3 @@ class CausalLM(nn.Module):
         outside = (local < 0) | (local >= self.plan.vocab_rows)
         x = embedding(local.masked_fill(outside, 0), self._io[0], dtype)
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
-
-
-def _row_parallel(
-    x: torch.Tensor, w: Weight, bias: torch.Tensor | None, tp: TPGroup | None
-) -> torch.Tensor:
-    """A row-parallel linear: each rank's partial sum, all-reduced, then the bias."""
-    if tp is None:
-        return linear(x, w, bias)
-    out = tp.all_reduce(linear(x, w))
-    return out if bias is None else out.add_(bias)
-
-
-def _join(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    post: torch.Tensor | None,
-    pre: torch.Tensor | None,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pending block output `x` (normed by `post` where the family norms after a block)
-    joins the stream `residual` (the first call, with none yet, starts it as x); returns the
-    next block's input (the stream normed by `pre`, or the stream itself where the family
-    norms before no block) and the stream. Fused on the CPU (may overwrite x and residual
-    in place)."""
-    if post is not None:
-        x = cpu_kernels.rms_norm(x, post, eps)
-    if pre is None:
-        residual = x if residual is None else residual + x
-        return residual, residual
-    if residual is None:
-        return cpu_kernels.rms_norm(x, pre, eps), x
-    return cpu_kernels.fused_add_rms_norm(x, residual, pre, eps)
-
-
-def _act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """`act(gate) * up` where `gate, up = gate_up.chunk(2, -1)`."""
-    if activation == "silu":
-        return cpu_kernels.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    approximate = "tanh" if activation == "gelu_tanh" else "none"
-    return F.gelu(gate, approximate=approximate) * up

@@ -18,6 +18,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.comm import TPGroup
 from pagedllm.distributed.shard import ShardPlan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.slots import LoraSlots
 from pagedllm.model import arena, load_model
 from pagedllm.model.decoder import ForwardContext
 from pagedllm.model.gdn_block import build_step, new_states, spread_kv_caches
@@ -48,6 +50,9 @@ class StepPlan:
     # from it (else it starts from zeros: its first token is position 0)
     state_slots: list[int] = field(default_factory=list)
     state_continues: list[bool] = field(default_factory=list)
+    # LoRA: the (slot, adapter) loads to do first, and each token's slot (-1: the base model)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -117,6 +122,10 @@ class ShardExecutor:
         # captured by `capture_graphs` (with tensor parallelism: on every rank, once all hold
         # their shards, since the graphs hold the collectives)
         self.graphs = cuda_graphs.create_graph_runner(self)
+        # the device pool of LoRA adapters (lora/slots.py), this rank's shard of each
+        self.lora = None
+        if config.lora is not None:
+            self.lora = LoraSlots(config.lora, mcfg, self.device, config.dtype, plan)
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -149,10 +158,17 @@ class ShardExecutor:
         if plan.block_copies:
             copy_blocks(self.kv_caches, plan.block_copies)
         step = self.inputs(plan)
-        if self.graphs is not None and not plan.eager and self.graphs.can_run(step):
+        lora = None if self.lora is None else self.lora.step(plan.lora_loads, plan.lora_slots)
+        if (
+            self.graphs is not None
+            and not plan.eager
+            and lora is None
+            and self.graphs.can_run(step)
+        ):
             return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
         metadata = self.backend.build_metadata(step)
-        ctx = ForwardContext(self.rotations(step.positions), self.kv_caches, self.backend, metadata)
+        rotary = self.rotations(step.positions)
+        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata, lora)
         if self.states:  # a hybrid model: the requests' linear-attention state slots
             gdn = build_step(plan.query_start_loc, plan.state_slots, plan.state_continues,
                              self.states, self.device)  # fmt: skip

@@ -20,6 +20,7 @@ from pagedllm.layers.sampler import (
     bad_word_bans,
     prompt_logprobs,
 )
+from pagedllm.lora.slots import SlotTable
 from pagedllm.worker.executor import ShardExecutor, StepPlan, use_device
 from pagedllm.worker.tp_worker import TPWorkers
 
@@ -49,6 +50,8 @@ class ModelRunner(ShardExecutor):
         self._generators: dict[str, torch.Generator] = {}
         # structured outputs: set by the engine with the first constrained request
         self.grammars: GrammarMatchers | None = None
+        # which LoRA adapter holds which slot of every rank's pool (lora/slots.py)
+        self.lora_table = None if config.lora is None else SlotTable(config.lora.max_loras)
 
     @property
     def dead_reason(self) -> str | None:
@@ -139,6 +142,8 @@ class ModelRunner(ShardExecutor):
         log-probs (the spans). The KV blocks of `block_copies` are copied first."""
         plan = self.plan(batch)
         plan.block_copies = block_copies
+        if self.lora_table is not None:
+            plan.lora_loads, plan.lora_slots = self.lora_table.plan(batch)
         spans = _prompt_logprob_spans(batch, plan.query_start_loc)
         if spans:  # prompt positions' logits too: no CUDA graph
             plan.logits_indices += [

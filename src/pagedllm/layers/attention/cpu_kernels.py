@@ -84,6 +84,7 @@ _SOURCES = (
     "moe.cpp",
     "decoder.cpp",
     "gated_delta.cpp",
+    "lora.cpp",
 )
 # the functions the extension exports (part of its name: a build never lacks one)
 _FUNCTIONS = (
@@ -104,6 +105,7 @@ _FUNCTIONS = (
     "fused_moe",
     "gated_delta_decode",
     "gdn_conv_update",
+    "lora_bgmv",
 )
 
 

@@ -1,0 +1,87 @@
+#include "vec.h"
+
+// ---- A step's LoRA deltas (src/pagedllm/lora/ops.py): out[n] += B[s] (A[s] x[n]) for each
+// token n whose slot s = token_slots[n] is >= 0, every adapter of the step in one call (punica's
+// BGMV on the CPU). A: (slots, R, k), B: (slots, m, R); the R-vector A[s] x[n] in fp32, each
+// output summed in fp32 and rounded once to the dtype. Tokens are spread over the threads.
+
+namespace {
+
+template <typename T>
+float dot_k(const T* a, const T* x, int64_t k) {
+  fvec acc0{}, acc1{};
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= k; c += 2 * kLanes) {
+    acc0 += load(a + c) * load(x + c);
+    acc1 += load(a + c + kLanes) * load(x + c + kLanes);
+  }
+  for (; c + kLanes <= k; c += kLanes) acc0 += load(a + c) * load(x + c);
+  float s = hsum(acc0 + acc1);
+  for (; c < k; ++c) s += static_cast<float>(a[c]) * static_cast<float>(x[c]);
+  return s;
+}
+
+template <typename T>
+void lora_token(const T* x, const T* a, const T* b, T* out, int64_t rank, int64_t k, int64_t m,
+                float* t) {
+  for (int64_t r = 0; r < rank; ++r) t[r] = dot_k(a + r * k, x, k);
+  for (int64_t o = 0; o < m; ++o) {
+    const T* row = b + o * rank;
+    float s = 0.f;
+    for (int64_t r = 0; r < rank; ++r) s += static_cast<float>(row[r]) * t[r];
+    out[o] = static_cast<T>(static_cast<float>(out[o]) + s);
+  }
+}
+
+template <typename T>
+void lora_tokens(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
+                 const int64_t* slots) {
+  const int64_t n = x.size(0), k = x.size(1), rank = a.size(1), m = b.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* ap = a.data_ptr<T>();
+  const T* bp = b.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rank * (k + m)));
+  at::parallel_for(0, n, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> t(rank);
+    for (int64_t i = t0; i < t1; ++i) {
+      const int64_t s = slots[i];
+      if (s < 0) continue;
+      lora_token(xp + i * k, ap + s * rank * k, bp + s * m * rank, op + i * m, rank, k, m,
+                 t.data());
+    }
+  });
+}
+
+}  // namespace
+
+// False (nothing done) for what it does not handle: another device, dtypes that differ,
+// layouts that are not contiguous; the caller then runs the torch path.
+bool lora_bgmv(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
+               torch::Tensor token_slots) {
+  ReleaseGil no_gil;
+  const auto dtype = x.scalar_type();
+  for (const auto& t : {out, x, a, b}) {
+    if (!t.device().is_cpu() || t.scalar_type() != dtype || !t.is_contiguous()) return false;
+  }
+  if (x.dim() != 2 || a.dim() != 3 || b.dim() != 3 || out.dim() != 2 ||
+      token_slots.scalar_type() != torch::kLong || !token_slots.is_contiguous() ||
+      token_slots.numel() != x.size(0) || out.size(0) != x.size(0) || a.size(2) != x.size(1) ||
+      b.size(2) != a.size(1) || out.size(1) != b.size(1) || a.size(0) != b.size(0)) {
+    return false;
+  }
+  const int64_t* slots = token_slots.data_ptr<int64_t>();
+  switch (dtype) {
+    case torch::kFloat:
+      lora_tokens<float>(out, x, a, b, slots);
+      return true;
+    case torch::kBFloat16:
+      lora_tokens<at::BFloat16>(out, x, a, b, slots);
+      return true;
+    case torch::kHalf:
+      lora_tokens<at::Half>(out, x, a, b, slots);
+      return true;
+    default:
+      return false;
+  }
+}

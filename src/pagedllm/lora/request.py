@@ -1,0 +1,58 @@
+"""What names an adapter (vLLM's `LoRARequest`) and the engine's LoRA knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter, as vLLM names one: `lora_name` (what clients call it), `lora_int_id` (a
+    positive id, unique per adapter: the slot pool, the host cache and the prefix cache key on
+    it) and `lora_path`, a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not self.lora_name:
+            raise ValueError("lora_name must not be empty")
+
+    @property
+    def cache_salt(self) -> bytes:
+        """The root of a request's chained block hashes: the same prompt under two adapters
+        (or under one and the base model) never shares KV blocks."""
+        return f"lora:{self.lora_int_id}".encode()
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """`max_loras`: adapters resident on the device at once (a step's requests use at most
+    these; others wait for a slot); `max_lora_rank`: the largest rank accepted;
+    `max_cpu_loras`: adapters kept read in host memory (None: `max_loras`)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_capacity(self) -> int:
+        assert self.max_cpu_loras is not None
+        return self.max_cpu_loras
