@@ -254,3 +254,14 @@ def test_beam_search_is_refused(checkpoints: dict[str, Path]) -> None:
     )
     with pytest.raises(ValueError, match="hybrid"):
         _scheduler(2).add_beam_group(group)
+
+
+def test_pooling_and_lora_are_refused(checkpoints: dict[str, Path]) -> None:
+    """Neither the pooling runner (no state slots) nor LoRA (the fused q projection carries
+    the attention gates) runs a hybrid model: each refused at start, naming it."""
+    from pagedllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hybrid"):
+        LLM(checkpoints[ARCHS[0]], runner="pooling")
+    with pytest.raises(ConfigError, match="hybrid"):
+        LLM(checkpoints[ARCHS[0]], enable_lora=True)

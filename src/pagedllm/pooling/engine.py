@@ -35,6 +35,8 @@ class PoolingEngine:
     def __init__(self, config: EngineConfig, pooler_config: PoolerConfig | None = None) -> None:
         if config.tensor_parallel_size != 1:
             raise ConfigError("the pooling runner runs on one rank (tensor_parallel_size 1)")
+        if config.model.hybrid is not None or config.lora is not None:
+            raise ConfigError("the pooling runner takes neither hybrid (Qwen3.5) models nor LoRA")
         sched = config.scheduler
         # NOTE: a prompt is never split over passes (MEAN needs all its tokens at once)
         self.token_budget = max(sched.max_num_batched_tokens, sched.max_model_len)
