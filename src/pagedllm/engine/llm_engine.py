@@ -215,7 +215,7 @@ class LLMEngine:
         for request in sched.admitted:
             request.first_scheduled_time = start
         if self.tracer is not None:
-            self._trace_scheduled(sched)
+            self.tracer.scheduled(sched)
         if self.metrics is not None:
             self.metrics.scheduled(sched.admitted, start)
         try:
@@ -234,7 +234,7 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(changed, result)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.tracer is not None:
-            self._trace_step(sched, changed, now - start)
+            self.tracer.step(sched, changed, now - start)
         self._record_finished(now)
         return failed + outputs
 
@@ -342,39 +342,6 @@ class LLMEngine:
                     output_tokens=request.num_output_tokens,
                 )
         self.scheduler.just_finished.clear()
-
-    def _trace_scheduled(self, sched: SchedulerOutput) -> None:
-        assert self.tracer is not None
-        for request_id in sched.preempted_ids:
-            self.tracer.event("preempted", request_id)
-        for request in sched.admitted:
-            self.tracer.event("scheduled", request.request_id, cached=request.num_cached_tokens)
-        for request_id in sched.resumed_ids:
-            self.tracer.event("resumed", request_id)
-
-    def _trace_step(self, sched: SchedulerOutput, changed: list[Request], duration: float) -> None:
-        assert self.tracer is not None
-        prefill_tokens = 0
-        for s in sched.scheduled:
-            if s.start_pos < len(s.prompt_token_ids):  # a prompt chunk (or its recompute)
-                prefill_tokens += s.num_tokens
-                self.tracer.event(
-                    "prefill_chunk",
-                    s.request_id,
-                    start=s.start_pos,
-                    tokens=s.num_tokens,
-                    duration=round(duration, 6),
-                )
-        for request in changed:
-            if request.num_output_tokens == 1:
-                self.tracer.event("first_token", request.request_id)
-        self.tracer.event(
-            "step",
-            duration=round(duration, 6),
-            requests=len(sched.scheduled),
-            prefill_tokens=prefill_tokens,
-            decode_tokens=sched.num_tokens - prefill_tokens,
-        )
 
     def stats(self) -> EngineStats:
         s, kv, m = self.scheduler, self.scheduler.kv, self.metrics
