@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
 from pagedllm.model_config import ModelConfig, RopeConfig
+from pagedllm.spec_config import SpeculativeConfig
 
 __all__ = [  # re-exported
     "DEVICES",
@@ -118,6 +120,8 @@ class EngineConfig:
     # streamed (DELTA) outputs: one per this many new tokens of a sample, besides its first
     # and its last (vLLM's stream_interval): fewer, larger responses for less per-response work
     stream_interval: int = 1
+    # speculative decoding (spec_config.py), None for none
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -150,6 +154,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         stream_interval: int = 1,
         free_out_of_window_blocks: bool = True,
+        speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
@@ -203,6 +208,7 @@ class EngineConfig:
             quantization=quantization,
             tensor_parallel_size=tensor_parallel_size,
             stream_interval=stream_interval,
+            speculative=SpeculativeConfig.from_dict(speculative_config),
         )
 
 

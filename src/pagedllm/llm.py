@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from tqdm import tqdm
@@ -34,7 +34,8 @@ class LLM:
     them, as does this process's exit). On a GPU, as vLLM's: `gpu_memory_utilization`, the
     share of the device this engine may use (its KV pool takes what the weights and
     activations leave; `kv_cache_memory` is the CPU's budget), and `enforce_eager` (decode
-    steps without CUDA graphs)."""
+    steps without CUDA graphs). `speculative_config`: vLLM's, e.g. `{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}` (`pagedllm.spec_config`)."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig.create(
             model,
@@ -73,6 +75,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

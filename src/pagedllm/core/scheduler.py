@@ -12,12 +12,13 @@ so admission and preemption count only the blocks it still holds.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_group import BeamGroup, BeamGroups, resume_group, schedule_group
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.spec_decode import SpecDecoder
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int | None = None
+    # speculative decoding: draft tokens after `token_ids[0]` (core.spec_decode), verified
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +79,10 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # requests that cannot go on (their grammar failed) -> why; their tokens are not kept
     failed: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: the tokens emitted after the sampled one (one per accepted draft
+    # token), and their log-probabilities where asked
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 TokenLogprobs = tuple[list[int], list[float], float, int]
@@ -100,6 +107,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # finished since the engine last took them (for its metrics)
         self.just_finished: list[Request] = []
+        self.spec: SpecDecoder | None = None  # speculative decoding (set by the engine)
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -188,11 +196,13 @@ class Scheduler:
                 i += len(unit)
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            spec = self.spec if num_new == 1 else None  # drafts follow a decode token only
+            draft = spec.draft(request, budget - 1, self) if spec else []
+            while not self.kv.allocate_slots(request, num_new, num_lookahead=len(draft)):
                 if request in self._preempt_newest(out):
                     return budget
-            self._schedule(out, request, num_new)
-            budget -= num_new
+            self._schedule(out, request, num_new, draft)
+            budget -= num_new + len(draft)
             i += 1
         return budget
 
@@ -242,13 +252,15 @@ class Scheduler:
             self._schedule(out, request, num_new)
             budget -= num_new
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _schedule(
+        self, out: SchedulerOutput, request: Request, num_new: int, draft: Sequence[int] = ()
+    ) -> None:
         start = request.num_computed_tokens
-        request.num_computed_tokens += num_new
+        request.num_computed_tokens += num_new  # drafts count once accepted
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start : start + num_new],
+                token_ids=[*request.all_token_ids[start : start + num_new], *draft],
                 start_pos=start,
                 block_ids=self.kv.block_ids(request.request_id),
                 sample=request.num_computed_tokens == request.num_tokens,
@@ -256,6 +268,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed=request.seed,
+                spec_token_ids=[*draft],
             )
         )
 
@@ -282,8 +295,14 @@ class Scheduler:
                 if group.ready and group not in ready:
                     ready.append(group)
                 continue
-            request.append_output_token(token_id)
-            status = self._stop_status(request, token_id)
+            more = result.spec_token_ids.get(s.request_id, [])
+            for i, token in enumerate([token_id, *more]):
+                request.num_computed_tokens += i > 0  # an accepted draft: its KV is kept
+                request.append_output_token(token)
+                if (status := self._stop_status(request, token)) is not None:
+                    break
+            if s.spec_token_ids and self.spec is not None:
+                self.spec.verified(request, len(s.spec_token_ids), len(more), self.kv)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

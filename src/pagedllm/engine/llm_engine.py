@@ -12,6 +12,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.beam_group import BeamGroup
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
+from pagedllm.core.spec_decode import SpecDecoder
 from pagedllm.engine.faults import (
     EngineDeadError,
     FaultInjection,
@@ -59,6 +60,9 @@ class EngineStats:
     kv_blocks_peak: int = 0
     # KV-cache bytes per token on a rank, all layers (latent attention: latent + rotated key)
     kv_bytes_per_token: int = 0
+    # speculative decoding (None when off): drafts, draft tokens, accepted tokens, and the
+    # accepted tokens per draft position, since the engine started
+    spec_decode: tuple[int, int, int, tuple[int, ...]] | None = None
 
 
 class LLMEngine:
@@ -80,6 +84,8 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        if config.speculative is not None:
+            self.scheduler.spec = SpecDecoder(config.speculative)
         self.runner = ModelRunner(config)
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.metrics = EngineMetrics() if metrics else None
@@ -361,6 +367,7 @@ class LLMEngine:
             kv_bytes_per_token=self.config.model.kv_bytes_per_token(
                 self.config.dtype.itemsize, self.config.tensor_parallel_size
             ),
+            spec_decode=None if s.spec is None else s.spec.counters(),
         )
 
     def check_integrity(self) -> None:
