@@ -208,3 +208,44 @@ def test_sampling_matches_the_target_distribution(checkpoints: dict[str, Path]) 
     for i in range(length):
         control = tv(base1[i], base2[i])
         assert (tv(base1[i], spec[i]) + tv(base2[i], spec[i])) / 2 < control + 0.05, i
+
+
+def test_metrics_settings_and_cli(checkpoints: dict[str, Path]) -> None:
+    """vLLM's spec_decode counters, exported under its names; the llm_engine model's
+    `speculative_config` parameter and `pagedllm serve --speculative-config`."""
+    import argparse
+    import json
+
+    from pagedllm.cli import _speculative
+    from pagedllm.serving.metrics import COUNTERS, MetricsExporter
+    from pagedllm.serving.settings import engine_config
+
+    path = checkpoints["llama"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, llm = generate(path, [{"prompt_token_ids": p} for p in PROMPTS[:6]], params, NGRAM)
+    stats = llm.engine.stats()
+    # every emitted token counted once, several per step
+    assert stats.generation_tokens == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert stats.spec_decode is not None
+    drafts, drafted, accepted, per_pos = stats.spec_decode
+    assert 0 < accepted <= drafted <= 4 * drafts and sum(per_pos) == accepted
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # a position needs the ones before
+    updates = list(MetricsExporter().updates(stats, []))
+    counters = {(u.name, u.labels): u.value for u in updates if u.kind == "counter"}
+    assert counters[("vllm:spec_decode_num_drafts_total", ())] == drafts
+    assert counters[("vllm:spec_decode_num_draft_tokens_total", ())] == drafted
+    assert counters[("vllm:spec_decode_num_accepted_tokens_total", ())] == accepted
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [counters.get((name, (("position", str(i)),)), 0) for i in range(4)] == list(per_pos)
+    assert {n for n, _ in counters} <= set(COUNTERS)
+
+    text = json.dumps(NGRAM)
+    config = engine_config({"model_dir": str(path), "speculative_config": text}, "cpu")
+    assert config.speculative == SpeculativeConfig.from_dict(NGRAM)
+    assert (
+        engine_config({"model_dir": str(path), "speculative_config": "{}"}, "cpu").speculative
+        is None
+    )
+    assert _speculative(text) == text
+    with pytest.raises(argparse.ArgumentTypeError, match="num_speculative_tokens"):
+        _speculative('{"num_speculative_tokens": 0}')
