@@ -249,3 +249,35 @@ def test_metrics_settings_and_cli(checkpoints: dict[str, Path]) -> None:
     assert _speculative(text) == text
     with pytest.raises(argparse.ArgumentTypeError, match="num_speculative_tokens"):
         _speculative('{"num_speculative_tokens": 0}')
+
+
+def test_rollback_keeps_the_pool_and_prefix_cache_consistent(checkpoints: dict[str, Path]) -> None:
+    """Step by step with blocks of 4 tokens (drafts cross them, rejected tails free them):
+    the pool's integrity holds after every step, every hash in the prefix cache is one of a
+    request's real token blocks (none covers a rejected draft), and requests that hit those
+    blocks later generate what an engine without a cache does."""
+    path = checkpoints["llama"]
+    llm = LLM(str(path), dtype="float32", block_size=4, speculative_config=NGRAM)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    requests = []
+    for i, p in enumerate(PROMPTS[:8]):
+        engine.add_request(str(i), p, params)
+        requests.append(engine.scheduler.requests[str(i)])
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        engine.check_integrity()
+        real = {h for r in requests for h in r.block_hashes}
+        assert set(engine.scheduler.kv.pool._cached) <= real
+    assert accepted(llm) > 30
+    again: list[Any] = [
+        {"prompt_token_ids": p + outputs[str(i)][:20]} for i, p in enumerate(PROMPTS[:8])
+    ]
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    hits = llm.generate(again, short, use_tqdm=False)
+    assert engine.scheduler.kv.prefix_hits > 0
+    plain, _ = generate(path, again, short, None, enable_prefix_caching=False)
+    assert_same(hits, plain)
