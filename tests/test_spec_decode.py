@@ -110,14 +110,18 @@ ENGINES: dict[str, dict[str, Any]] = {
     # a pool so small that requests are preempted and recomputed
     "preempt": {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 64},
     "no_prefix_cache": {"enable_prefix_caching": False},
+    # other families: q/k/v bias and tied embeddings; a sliding window of 24 (blocks that fall
+    # out of it freed as requests go)
+    "qwen2": {"arch": "qwen2"},
+    "mistral": {"arch": "mistral", "block_size": 4},
 }
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_greedy_identical_on_scheduler_paths(checkpoints: dict[str, Path], engine: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    kw = ENGINES[engine]
-    path = checkpoints["llama"]
+    kw = dict(ENGINES[engine])
+    path = checkpoints[kw.pop("arch", "llama")]
     # the prompts twice: the second time they hit the prefix cache
     prompts: list[Any] = [{"prompt_token_ids": p} for p in PROMPTS + PROMPTS]
     base, _ = generate(path, prompts, params, None, **kw)
