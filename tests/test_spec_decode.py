@@ -285,3 +285,25 @@ def test_rollback_keeps_the_pool_and_prefix_cache_consistent(checkpoints: dict[s
     assert engine.scheduler.kv.prefix_hits > 0
     plain, _ = generate(path, again, short, None, enable_prefix_caching=False)
     assert_same(hits, plain)
+
+
+@pytest.mark.slow
+def test_smollm2_copy_tasks_identical_with_drafts_accepted() -> None:
+    """The real model (fp32) on prompts whose answer copies them: the same greedy text as
+    without speculation, with drafts verified and accepted."""
+    from pagedllm.prepare import prepare_smollm2
+
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    asks = [
+        f"Rename the function `add` to `plus` in this code:\n\n{code}",
+        "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
+        "river bank, then runs back home.",
+    ]
+    prompts: list[Any] = [f"<|im_start|>user\n{a}<|im_end|>\n<|im_start|>assistant\n" for a in asks]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    path = prepare_smollm2()
+    base, _ = generate(path, prompts, params, None, max_model_len=512)
+    spec, llm = generate(path, prompts, params, NGRAM, max_model_len=512)
+    assert_same(base, spec)
+    stats = llm.engine.stats().spec_decode
+    assert stats is not None and stats[0] >= 3 and stats[2] > 0  # drafts, some accepted
