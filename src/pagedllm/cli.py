@@ -92,6 +92,17 @@ def _device(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _speculative(value: str) -> str:
+    from pagedllm.errors import ConfigError
+    from pagedllm.spec_config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_dict(value)
+    except (ConfigError, ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"--speculative-config: {e}") from None
+    return value.strip() or "{}"
+
+
 REAL_MODELS = f"the name of a real model on PyPI ({', '.join(names())})"
 DEFAULT = DEFAULT_MODEL.name
 MODEL_HELP = (
@@ -185,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the KV cache's element type (docs/kv_cache.md); sets PAGEDLLM_KV_CACHE_DTYPE "
         "(default: llm_engine's config, auto)",
     )
+    s.add_argument(
+        "--speculative-config",
+        type=_speculative,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\'; sets PAGEDLLM_SPECULATIVE_CONFIG (docs/speculative.md)',
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -248,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.stream_interval < 1:
                 ap.error("--stream-interval must be >= 1")
             env["PAGEDLLM_STREAM_INTERVAL"] = str(args.stream_interval)
+        if args.speculative_config is not None:
+            env["PAGEDLLM_SPECULATIVE_CONFIG"] = args.speculative_config
         if args.no_openai and (
             args.served_model_name or args.chat_template or args.trust_request_chat_template
         ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from pagedllm.families import SUPPORTED_ARCHITECTURES
 from pagedllm.kv_cache_dtype import check_kv_cache_dtype, check_supported
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.model_config import ModelConfig, RopeConfig
+from pagedllm.spec_config import SpeculativeConfig
 
 __all__ = [  # re-exported
     "DEVICES",
@@ -129,6 +131,8 @@ class EngineConfig:
     stream_interval: int = 1
     # LoRA adapters (pagedllm.lora); None: off
     lora: LoRAConfig | None = None
+    # speculative decoding (spec_config.py), None for none
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -169,6 +173,7 @@ class EngineConfig:
         num_state_slots: int | None = None,
         kv_cache_dtype: str = "auto",
         lora: LoRAConfig | None = None,
+        speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None,
     ) -> EngineConfig:
         """Build and validate the engine's configuration from user-facing knobs. `device`:
         one of DEVICES, resolved here (`resolve_device`). On a CUDA device the KV pool's memory
@@ -230,6 +235,9 @@ class EngineConfig:
         if lora is not None and (model.mla is not None or model.hybrid is not None):
             kind = "latent-attention (MLA)" if model.mla is not None else "hybrid (Qwen3.5)"
             raise ConfigError(f"LoRA adapters are not supported on {kind} models")
+        speculative = SpeculativeConfig.from_dict(speculative_config)
+        if speculative is not None and model.hybrid is not None:  # no state to roll back
+            raise ConfigError("speculative decoding is not supported on hybrid (Qwen3.5) models")
         return EngineConfig(
             model_dir=str(model_dir),
             model=model,
@@ -244,6 +252,7 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             stream_interval=stream_interval,
             lora=lora,
+            speculative=speculative,
         )
 
 

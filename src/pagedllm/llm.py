@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from tqdm import tqdm
@@ -45,7 +45,8 @@ class LLM:
     model's dtype), int8 / int8_per_token_head (the CPU) or fp8 / fp8_e4m3 / fp8_e5m2
     (docs/kv_cache.md). `enable_lora`: serve LoRA adapters (`generate`'s `lora_request`):
     `max_loras` at once on the device, ranks up to `max_lora_rank`, `max_cpu_loras` kept
-    read in host memory (docs/lora.md)."""
+    read in host memory (docs/lora.md). `speculative_config`: vLLM's, e.g. `{"method":
+    "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}` (`pagedllm.spec_config`)."""
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         if runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling', got {runner!r}")
@@ -98,6 +100,7 @@ class LLM:
             num_state_slots=num_state_slots,
             kv_cache_dtype=kv_cache_dtype,
             lora=lora,
+            speculative_config=speculative_config,
         )
         self.pooling = PoolingEngine(config, pooler_config) if runner == "pooling" else None
         self._engine = LLMEngine(config) if self.pooling is None else None

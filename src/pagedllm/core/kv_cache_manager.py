@@ -119,13 +119,19 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached: Sequence[KVBlock | None] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: Sequence[KVBlock | None] = (),
+        num_lookahead: int = 0,
     ) -> bool:
         """Give the request room for `num_new_tokens` more tokens after its computed ones (and
         after `cached`, prefix blocks found for a request that holds none). First the blocks
         out of the window of its next query are freed (always safe: no later query reads
         them), and hits out of it are not taken. False, changing nothing else, if blocks are
-        short: the caller preempts or waits."""
+        short: the caller preempts or waits. `num_lookahead`: room for that many draft tokens
+        after the new ones too (speculative decoding); their blocks are never registered in the
+        prefix cache by this call."""
         rid = request.request_id
         if self.states is not None and not self.states.can_take(rid):
             return False  # no state slot free: the request waits
@@ -144,7 +150,8 @@ class KVCacheManager:
         hits = list(cached[num_out:])
         assert all(b is not None for b in hits), "a hit the window reads is not cached"
         taken = [b for b in hits if b is not None]
-        num_needed = self.num_blocks_for(num_total) - num_dropped - len(blocks) - len(taken)
+        num_slots = num_total + num_lookahead
+        num_needed = self.num_blocks_for(num_slots) - num_dropped - len(blocks) - len(taken)
         num_copies = 1 if cow is not None else 0
         # cached blocks nobody uses sit in the free queue: touching them takes them out of it
         num_idle_hits = sum(1 for b in taken if b.ref_cnt == 0)
@@ -167,6 +174,15 @@ class KVCacheManager:
         if self.states is not None:
             self.states.take(rid)
         return True
+
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past the one its next token lands in (those that held
+        only a rejected draft's slots: never registered in the prefix cache)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.num_blocks_for(request.num_tokens) - self.num_dropped(request.request_id)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.free(reversed(blocks[keep:]))
+            del blocks[keep:]
 
     def fork(self, parent: Request, child: Request) -> None:
         """`child` (a beam forked from `parent`) shares all of the parent's blocks."""

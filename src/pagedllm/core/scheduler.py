@@ -12,76 +12,16 @@ so admission and preemption count only the blocks it still holds.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_group import BeamGroup, BeamGroups, resume_group, schedule_group
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.lora.request import LoRARequest
+from pagedllm.core.spec_decode import SpecDecoder
+from pagedllm.core.step_io import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
 
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions `start_pos...`."""
-
-    request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    # the chunk reaches the request's last known token: sample the next one
-    sample: bool
-    # what the sampler needs (references to the request's own lists, not copies)
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    seed: int | None = None
-    state_slot: int = -1  # its linear-attention state slot (a hybrid model), else -1
-    lora_request: LoRARequest | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    # requests that left the scheduler since the previous step (runners drop their state)
-    finished_ids: list[str] = field(default_factory=list)
-    # requests scheduled for the first time, and those resumed after a preemption
-    admitted: list[Request] = field(default_factory=list)
-    resumed_ids: list[str] = field(default_factory=list)
-    # (source, destination) KV blocks to copy before the forward pass (beams' copy-on-write)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class RunnerOutput:
-    """What the model runner produced for a step: the sampled token of each request that
-    was sampled, and log-probabilities where asked (see `pagedllm.layers.sampler`)."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # request -> (top ids, top logprobs, chosen logprob, chosen rank)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # request -> (position of the first prompt token scored, one entry per scored token)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    # requests that cannot go on (their grammar failed) -> why; their tokens are not kept
-    failed: dict[str, str] = field(default_factory=dict)
-
-
-TokenLogprobs = tuple[list[int], list[float], float, int]
+__all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "TokenLogprobs"]
 
 
 class Scheduler:
@@ -104,6 +44,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # finished since the engine last took them (for its metrics)
         self.just_finished: list[Request] = []
+        self.spec: SpecDecoder | None = None  # speculative decoding (set by the engine)
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -194,11 +135,13 @@ class Scheduler:
                 i += len(unit)
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            spec = self.spec if num_new == 1 else None  # drafts follow a decode token only
+            draft = spec.draft(request, budget - 1, self) if spec else []
+            while not self.kv.allocate_slots(request, num_new, num_lookahead=len(draft)):
                 if request in self._preempt_newest(out):
                     return budget
-            self._schedule(out, request, num_new)
-            budget -= num_new
+            self._schedule(out, request, num_new, draft)
+            budget -= num_new + len(draft)
             i += 1
         return budget
 
@@ -257,13 +200,15 @@ class Scheduler:
         running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         return lora.lora_int_id in running or len(running) < self.config.max_loras
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _schedule(
+        self, out: SchedulerOutput, request: Request, num_new: int, draft: Sequence[int] = ()
+    ) -> None:
         start = request.num_computed_tokens
-        request.num_computed_tokens += num_new
+        request.num_computed_tokens += num_new  # drafts count once accepted
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start : start + num_new],
+                token_ids=[*request.all_token_ids[start : start + num_new], *draft],
                 start_pos=start,
                 block_ids=self.kv.block_ids(request.request_id),
                 sample=request.num_computed_tokens == request.num_tokens,
@@ -273,6 +218,7 @@ class Scheduler:
                 seed=request.seed,
                 state_slot=self.kv.state_slot(request.request_id),
                 lora_request=request.lora_request,
+                spec_token_ids=[*draft],
             )
         )
 
@@ -299,8 +245,14 @@ class Scheduler:
                 if group.ready and group not in ready:
                     ready.append(group)
                 continue
-            request.append_output_token(token_id)
-            status = self._stop_status(request, token_id)
+            more = result.spec_token_ids.get(s.request_id, [])
+            for i, token in enumerate([token_id, *more]):
+                request.num_computed_tokens += i > 0  # an accepted draft: its KV is kept
+                request.append_output_token(token)
+                if (status := self._stop_status(request, token)) is not None:
+                    break
+            if s.spec_token_ids and self.spec is not None:
+                self.spec.verified(request, len(s.spec_token_ids), len(more), self.kv)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

@@ -12,6 +12,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.beam_group import BeamGroup
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
+from pagedllm.core.spec_decode import SpecDecoder
 from pagedllm.engine.faults import (
     EngineDeadError,
     FaultInjection,
@@ -23,7 +24,7 @@ from pagedllm.engine.faults import (
 )
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.tracing import Tracer, trace_scheduled, trace_step
+from pagedllm.engine.tracing import Tracer
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import check_request
 from pagedllm.outputs import RequestOutput
@@ -63,6 +64,9 @@ class EngineStats:
     kv_bytes_per_token: int = 0
     kv_cache_dtype: str = ""  # int8, fp8_e4m3, fp8_e5m2, or the model's dtype
     kv_token_capacity: int = 0  # tokens its blocks hold
+    # speculative decoding (None when off): drafts, draft tokens, accepted tokens, and the
+    # accepted tokens per draft position, since the engine started
+    spec_decode: tuple[int, int, int, tuple[int, ...]] | None = None
 
 
 class LLMEngine:
@@ -84,6 +88,8 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.scheduler = Scheduler(config.scheduler, config.cache)
+        if config.speculative is not None:
+            self.scheduler.spec = SpecDecoder(config.speculative)
         self.runner = ModelRunner(config)
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.metrics = EngineMetrics() if metrics else None
@@ -223,7 +229,7 @@ class LLMEngine:
         for request in sched.admitted:
             request.first_scheduled_time = start
         if self.tracer is not None:
-            trace_scheduled(self.tracer, sched)
+            self.tracer.scheduled(sched)
         if self.metrics is not None:
             self.metrics.scheduled(sched.admitted, start)
         try:
@@ -242,7 +248,7 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(changed, result)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.tracer is not None:
-            trace_step(self.tracer, sched, changed, now - start)
+            self.tracer.step(sched, changed, now - start)
         self._record_finished(now)
         return failed + outputs
 
@@ -367,6 +373,7 @@ class LLMEngine:
             kv_blocks_freed_by_window=kv.num_window_freed,
             kv_blocks_peak=kv.peak_used_blocks,
             **self.config.kv_cache_report(),
+            spec_decode=None if s.spec is None else s.spec.counters(),
         )
 
     def check_integrity(self) -> None:

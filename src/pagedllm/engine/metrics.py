@@ -5,6 +5,7 @@ work: cumulative counters and the per-request / per-token observations for histo
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 
@@ -31,6 +32,8 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()  # finish reason -> requests
         self._observations: list[tuple[str, float]] = []
+        # output tokens counted per request (a speculative step brings several)
+        self._counted: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     def scheduled(self, first_time: Iterable[Request], now: float) -> None:
         """Requests scheduled for the first time."""
@@ -40,7 +43,8 @@ class EngineMetrics:
 
     def new_token(self, r: Request, now: float) -> None:
         """Before the engine stamps the request with `now`."""
-        self.generation_tokens += 1
+        self.generation_tokens += r.num_output_tokens - self._counted.get(r, 0)
+        self._counted[r] = r.num_output_tokens
         if r.first_token_time is None:
             self._observations.append(("vllm:time_to_first_token_seconds", now - r.arrival_time))
         else:

@@ -36,6 +36,7 @@ class _Sample:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     changed: bool = False
+    seen: int = 0  # output tokens processed (a step may bring several: speculation)
 
 
 @dataclass
@@ -110,13 +111,29 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, start, entries)
         for request in changed:
             state, sample = self._sample_of[request.request_id]
-            lp = result.logprobs.get(request.request_id)
-            if lp is not None and sample.logprobs is not None:
-                self._add_logprobs(sample, request.output_token_ids[-1], lp, state.params)
-            if self._update(sample, state.params) and not request.status.is_finished:
+            rid = request.request_id
+            first = result.logprobs.get(rid)
+            lps = [] if first is None else [first, *result.spec_logprobs.get(rid, ())]
+            if self._update(sample, state.params, lps) and not request.status.is_finished:
                 stopped.append(request.request_id)
             touched[state.request_id] = state
         return [o for o in (self._output(s) for s in touched.values()) if o], stopped
+
+    def _update(self, sample: _Sample, params: SamplingParams, lps: list[TokenLogprobs]) -> bool:
+        """Advance one sample over its new tokens, one at a time. True if a stop string ended
+        it: a speculative step's tokens after the one that completed it are dropped (as if
+        the request had stopped there)."""
+        request = sample.request
+        new = request.output_token_ids[sample.seen :]
+        for i, token in enumerate(new):
+            sample.seen += 1
+            if i < len(lps) and sample.logprobs is not None:
+                self._add_logprobs(sample, token, lps[i], params)
+            if self._advance(sample, params, token, i == len(new) - 1):
+                del request.output_token_ids[sample.seen :]
+                del request.all_token_ids[request.num_prompt_tokens + sample.seen :]
+                return True
+        return False
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._states.get(request_id)
@@ -129,24 +146,25 @@ class OutputProcessor:
                 state.done.add(sample.index)
         return self._output(state, force=True)
 
-    def _update(self, sample: _Sample, params: SamplingParams) -> bool:
-        """Advance one sample's text after its new token. True if a stop string ended it."""
+    def _advance(self, sample: _Sample, params: SamplingParams, token: int, last: bool) -> bool:
+        """Advance one sample's text after a new token (`last`: the step's last for it).
+        True if a stop string ended it."""
         request = sample.request
         sample.changed = True
         status = request.status
-        finished = status.is_finished
+        finished = status.is_finished and last
         stop_string = False
         if sample.detok is not None:
             # the stop token's own text is not shown (unless asked): as vLLM
-            stop_token = status == RequestStatus.FINISHED_STOPPED
-            new_ids = request.output_token_ids[-1:]
+            stop_token = finished and status == RequestStatus.FINISHED_STOPPED
+            new_ids = [token]
             if stop_token and not params.include_stop_str_in_output:
                 new_ids = []
             before = len(sample.detok.text)
             sample.detok.add_tokens(new_ids, final=finished)
             text = sample.detok.text
             hit = None
-            if params.stop and request.num_output_tokens > params.min_tokens:
+            if params.stop and sample.seen > params.min_tokens:
                 hit = find_stop(text, params.stop, before)
             if hit is not None:
                 i, stop = hit

@@ -39,42 +39,38 @@ class Tracer:
     def close(self) -> None:
         self._file.close()
 
+    def scheduled(self, sched: SchedulerOutput) -> None:
+        """A step's preemptions, first admissions and resumptions."""
+        for request_id in sched.preempted_ids:
+            self.event("preempted", request_id)
+        for request in sched.admitted:
+            self.event("scheduled", request.request_id, cached=request.num_cached_tokens)
+        for request_id in sched.resumed_ids:
+            self.event("resumed", request_id)
 
-def trace_scheduled(tracer: Tracer, sched: SchedulerOutput) -> None:
-    """A step's preemptions, admissions and resumptions."""
-    for request_id in sched.preempted_ids:
-        tracer.event("preempted", request_id)
-    for request in sched.admitted:
-        tracer.event("scheduled", request.request_id, cached=request.num_cached_tokens)
-    for request_id in sched.resumed_ids:
-        tracer.event("resumed", request_id)
-
-
-def trace_step(
-    tracer: Tracer, sched: SchedulerOutput, changed: list[Request], duration: float
-) -> None:
-    """A step's prefill chunks, first tokens and the step itself."""
-    prefill_tokens = 0
-    for s in sched.scheduled:
-        if s.start_pos < len(s.prompt_token_ids):  # a prompt chunk (or its recompute)
-            prefill_tokens += s.num_tokens
-            tracer.event(
-                "prefill_chunk",
-                s.request_id,
-                start=s.start_pos,
-                tokens=s.num_tokens,
-                duration=round(duration, 6),
-            )
-    for request in changed:
-        if request.num_output_tokens == 1:
-            tracer.event("first_token", request.request_id)
-    tracer.event(
-        "step",
-        duration=round(duration, 6),
-        requests=len(sched.scheduled),
-        prefill_tokens=prefill_tokens,
-        decode_tokens=sched.num_tokens - prefill_tokens,
-    )
+    def step(self, sched: SchedulerOutput, changed: list[Request], duration: float) -> None:
+        """A step's prefill chunks, first tokens, and the step itself."""
+        prefill_tokens = 0
+        for s in sched.scheduled:
+            if s.start_pos < len(s.prompt_token_ids):  # a prompt chunk (or its recompute)
+                prefill_tokens += s.num_tokens
+                self.event(
+                    "prefill_chunk",
+                    s.request_id,
+                    start=s.start_pos,
+                    tokens=s.num_tokens,
+                    duration=round(duration, 6),
+                )
+        for request in changed:
+            if request.num_output_tokens == 1:
+                self.event("first_token", request.request_id)
+        self.event(
+            "step",
+            duration=round(duration, 6),
+            requests=len(sched.scheduled),
+            prefill_tokens=prefill_tokens,
+            decode_tokens=sched.num_tokens - prefill_tokens,
+        )
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

@@ -27,6 +27,10 @@ COUNTERS = {
     "vllm:prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
     "vllm:request_success_total": "Finished requests, by finish reason.",
     REJECTED: "Requests refused at once because max_queued_requests were waiting.",
+    "vllm:spec_decode_num_drafts_total": "Speculative drafts verified.",
+    "vllm:spec_decode_num_draft_tokens_total": "Draft tokens proposed.",
+    "vllm:spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": "Draft tokens accepted, by position.",
 }
 GAUGES = {
     "vllm:num_requests_running": "Requests in the running batch.",
@@ -92,6 +96,7 @@ class MetricsExporter:
             ("vllm:request_success_total", (("finished_reason", reason),), n)
             for reason, n in stats.finished
         ]
+        totals += _spec_totals(stats)
         for name, labels, total in totals:
             delta = total - self._last.get((name, labels), 0)
             if delta:
@@ -104,6 +109,20 @@ class MetricsExporter:
         yield Update("gauge", "vllm:num_requests_waiting", stats.num_waiting)
         usage = stats.kv_blocks_used / stats.kv_blocks_total
         yield Update("gauge", "vllm:kv_cache_usage_perc", usage)
+
+
+def _spec_totals(stats: EngineStats) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    """Speculative decoding's counters (none when it is off)."""
+    if stats.spec_decode is None:
+        return []
+    drafts, draft_tokens, accepted, per_pos = stats.spec_decode
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    return [
+        ("vllm:spec_decode_num_drafts_total", (), drafts),
+        ("vllm:spec_decode_num_draft_tokens_total", (), draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens_total", (), accepted),
+        *((name, (("position", str(i)),), n) for i, n in enumerate(per_pos)),
+    ]
 
 
 def scrape(metrics_url: str) -> dict[str, float]:

@@ -151,4 +151,5 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         ),
         tensor_parallel_size=tensor_parallel_size(parameters),
         stream_interval=int_setting(parameters, "stream_interval", 1, minimum=1),
+        speculative_config=get("speculative_config", ""),  # JSON; "" or "{}": none
     )

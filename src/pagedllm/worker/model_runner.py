@@ -21,6 +21,7 @@ from pagedllm.layers.sampler import (
     prompt_logprobs,
 )
 from pagedllm.lora.slots import SlotTable
+from pagedllm.worker import spec_verify
 from pagedllm.worker.executor import ShardExecutor, StepPlan, use_device
 from pagedllm.worker.tp_worker import TPWorkers
 
@@ -71,7 +72,7 @@ class ModelRunner(ShardExecutor):
         slots: list[int] = []
         query_start_loc = [0]
         context_lens = []
-        logits_indices = []
+        logits_indices: list[int] = []
         for s in batch:
             end = s.start_pos + s.num_tokens
             input_ids += s.token_ids
@@ -81,8 +82,8 @@ class ModelRunner(ShardExecutor):
             slots += [table[p // bs] * bs + p % bs for p in pos]
             query_start_loc.append(len(input_ids))
             context_lens.append(end)
-            if s.sample:
-                logits_indices.append(len(input_ids) - 1)
+            if s.sample:  # the last token's logits, and each draft token's before it
+                logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
         max_blocks = max(len(s.block_ids) for s in batch)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch]
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
@@ -121,9 +122,9 @@ class ModelRunner(ShardExecutor):
         finally:  # the mask thread is done with this step's requests before the step ends
             masks = None if fill is None else fill.result()
         out = RunnerOutput()
+        offset = spec_verify.num_rows(sampled)
         if sampled:
-            self._sample(logits[: len(sampled)], sampled, out, masks)
-        offset = len(sampled)
+            self._sample(logits[:offset], sampled, out, masks)
         for span in spans:
             s = span.request
             scored = prompt_logprobs(
@@ -166,25 +167,27 @@ class ModelRunner(ShardExecutor):
         out: RunnerOutput,
         masks: Masks | None,
     ) -> None:
+        # one row per request, and one per draft token of a speculating one
+        verify = list(spec_verify.verify_rows(batch))
         rows = [
             SampleRequest(
-                s.params,
-                s.prompt_token_ids,
-                s.output_token_ids,
-                self._generator(s),
-                self._stop_ids(s) if _before_min_tokens(s) else (),
+                batch[b].params,
+                batch[b].prompt_token_ids,
+                outputs,
+                self._generator(batch[b]),
+                self._stop_ids(batch[b]) if len(outputs) < batch[b].params.min_tokens else (),
             )
-            for s in batch
+            for b, outputs in verify
         ]
         if masks is not None:  # before the sampler: log-probs are of the masked logits
+            if len(rows) > len(batch):  # (constrained requests do not draft)
+                masks.bitmask = masks.bitmask[[b for b, _ in verify]]
             self._constrain(logits, rows, masks)
             out.failed.update(masks.failed)
         meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
+        states = spec_verify.generator_states(batch, self._generators)
         result = self.sampler(logits, rows, meta)
-        for s, token, lp in zip(batch, result.token_ids, result.logprobs, strict=True):
-            out.sampled_token_ids[s.request_id] = token
-            if lp is not None:
-                out.logprobs[s.request_id] = lp
+        spec_verify.accept(batch, result, out, states, self._generators)
 
     def _constrain(self, logits: torch.Tensor, rows: list[SampleRequest], masks: Masks) -> None:
         """The grammars' masks on their rows. For those rows min_tokens' and bad words' bans
@@ -227,10 +230,6 @@ class ModelRunner(ShardExecutor):
     def _stop_ids(self, s: ScheduledRequest) -> list[int]:
         eos = () if s.params.ignore_eos else self.config.model.eos_token_ids
         return [*eos, *s.params.stop_token_ids]
-
-
-def _before_min_tokens(s: ScheduledRequest) -> bool:
-    return len(s.output_token_ids) < s.params.min_tokens
 
 
 @dataclass
