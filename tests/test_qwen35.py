@@ -256,12 +256,14 @@ def test_beam_search_is_refused(checkpoints: dict[str, Path]) -> None:
         _scheduler(2).add_beam_group(group)
 
 
-def test_pooling_and_lora_are_refused(checkpoints: dict[str, Path]) -> None:
-    """Neither the pooling runner (no state slots) nor LoRA (the fused q projection carries
-    the attention gates) runs a hybrid model: each refused at start, naming it."""
+def test_pooling_lora_and_speculation_are_refused(checkpoints: dict[str, Path]) -> None:
+    """Neither the pooling runner (no state slots), LoRA (the fused q projection carries the
+    attention gates) nor speculation runs a hybrid model: each refused at start, naming it."""
     from pagedllm.errors import ConfigError
 
     with pytest.raises(ConfigError, match="hybrid"):
         LLM(checkpoints[ARCHS[0]], runner="pooling")
     with pytest.raises(ConfigError, match="hybrid"):
         LLM(checkpoints[ARCHS[0]], enable_lora=True)
+    with pytest.raises(ConfigError, match="hybrid"):  # a rejected draft's state cannot roll back
+        LLM(checkpoints[ARCHS[0]], speculative_config={"method": "ngram"})
