@@ -70,11 +70,11 @@ def test_cache_config_info_has_vllms_labels(checkpoints: dict[str, Path]) -> Non
 def test_cache_config_info_names_a_quantized_cache(checkpoints: dict[str, Path]) -> None:
     """kv_cache_dtype int8 (vLLM's int8_per_token_head): the label and the capacity line say
     so, bytes per token with the rows' scales."""
-    from pagedllm.kv_cache_dtype import capacity_line
-
     config = EngineConfig.create(
         checkpoints["llama"], num_kv_blocks=24, kv_cache_dtype="int8_per_token_head", device="cpu"
     )
     assert cache_config_info(config, 24)["cache_dtype"] == "int8"
     # TINY llama: 2 layers, 2 KV heads of 16: 2 * 2 * 2 rows of 16 + 4 bytes
-    assert capacity_line(config).startswith("KV cache: 24 blocks of 16 = 384 tokens, int8, 160 ")
+    assert config.kv_capacity_line().startswith(
+        "KV cache: 24 blocks of 16 = 384 tokens, int8, 160 "
+    )

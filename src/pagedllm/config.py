@@ -147,7 +147,25 @@ class EngineConfig:
     def kv_cache_report(self) -> kv_cache_dtype.KVCacheReport:
         """The KV cache's element type, bytes per token (scales included) and token capacity,
         as `EngineStats` names them."""
-        return kv_cache_dtype.report(self)
+        model, kind = self.model, self.cache.cache_dtype
+        values = model.kv_values_per_token(self.tensor_parallel_size)
+        per_layer = kv_cache_dtype.bytes_per_token_layer(kind, self.dtype, values, model.head_dim)
+        return kv_cache_dtype.KVCacheReport(
+            kv_cache_dtype=kv_cache_dtype.dtype_name(kind, self.dtype),
+            kv_bytes_per_token=model.num_kv_layers * per_layer,
+            kv_token_capacity=(self.cache.num_kv_blocks or 0) * self.cache.block_size,
+        )
+
+    def kv_capacity_line(self) -> str:
+        """One log line: the pool's blocks, tokens, element type and bytes."""
+        r = self.kv_cache_report()
+        blocks = self.cache.num_kv_blocks or 0
+        total = r["kv_bytes_per_token"] * r["kv_token_capacity"]
+        return (
+            f"KV cache: {blocks} blocks of {self.cache.block_size} = {r['kv_token_capacity']} "
+            f"tokens, {r['kv_cache_dtype']}, {r['kv_bytes_per_token']} bytes/token, "
+            f"{total / (1 << 20):.1f} MiB per rank"
+        )
 
     @staticmethod
     def create(

@@ -20,8 +20,6 @@ from pagedllm.errors import ConfigError
 if TYPE_CHECKING:  # torch is imported where it is needed: the CLI's parser imports this
     import torch
 
-    from pagedllm.config import EngineConfig
-
 # vLLM's values, plus `int8` for its int8_per_token_head
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int8")
 _CANONICAL = {
@@ -105,28 +103,3 @@ class KVCacheReport(TypedDict):
     kv_cache_dtype: str
     kv_bytes_per_token: int
     kv_token_capacity: int
-
-
-def report(config: EngineConfig) -> KVCacheReport:
-    """The KV cache as `EngineStats` reports it: its element type, bytes per token on a rank
-    (all layers, scales included) and the tokens its blocks hold."""
-    model, kind = config.model, config.cache.cache_dtype
-    values = model.kv_values_per_token(config.tensor_parallel_size)
-    per_layer = bytes_per_token_layer(kind, config.dtype, values, model.head_dim)
-    return KVCacheReport(
-        kv_cache_dtype=dtype_name(kind, config.dtype),
-        kv_bytes_per_token=model.num_kv_layers * per_layer,
-        kv_token_capacity=(config.cache.num_kv_blocks or 0) * config.cache.block_size,
-    )
-
-
-def capacity_line(config: EngineConfig) -> str:
-    """One log line: the pool's blocks, tokens, element type and bytes."""
-    r = report(config)
-    blocks = config.cache.num_kv_blocks or 0
-    total = r["kv_bytes_per_token"] * r["kv_token_capacity"]
-    return (
-        f"KV cache: {blocks} blocks of {config.cache.block_size} = {r['kv_token_capacity']} "
-        f"tokens, {r['kv_cache_dtype']}, {r['kv_bytes_per_token']} bytes/token, "
-        f"{total / (1 << 20):.1f} MiB per rank"
-    )

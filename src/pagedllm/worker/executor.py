@@ -110,7 +110,7 @@ class ShardExecutor:
         self.states = [] if hybrid is None or not slots else new_states(
             hybrid, slots, config.dtype, self.device)  # fmt: skip
         if rank == 0:
-            logger.info("%s", kv_cache_dtype.capacity_line(config))
+            logger.info("%s", config.kv_capacity_line())
         # one table per rope of the model (ModelConfig.ropes), (max_model_len, head_dim / 2)
         self.rotary = [
             rotary_table(
