@@ -342,6 +342,9 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: Yaml) -> None:
         "enforce_eager": False,
         "tensor_parallel_size": 1,
         "stream_interval": 3,
+        "kv_cache_dtype": "auto",
+        "speculative_config": "",
+        "lora": None,
     }
 
 

@@ -10,6 +10,8 @@ from pagedllm import prepare
 from pagedllm.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedllm.real_models import DEFAULT_MODEL, names
 from pagedllm.serving.gateway import DEFAULT_HOST, DEFAULT_PORT, GatewayOptions
+from pagedllm.serving.lora import add_serve_arguments as add_lora_arguments
+from pagedllm.serving.lora import serve_env as lora_env
 
 
 def _model_dir(value: str | None) -> str:
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\'; sets PAGEDLLM_SPECULATIVE_CONFIG (docs/speculative.md)',
     )
+    add_lora_arguments(s)
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -268,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             env["PAGEDLLM_STREAM_INTERVAL"] = str(args.stream_interval)
         if args.speculative_config is not None:
             env["PAGEDLLM_SPECULATIVE_CONFIG"] = args.speculative_config
+        try:
+            env.update(lora_env(args))
+        except ValueError as e:
+            ap.error(str(e))
         if args.no_openai and (
             args.served_model_name or args.chat_template or args.trust_request_chat_template
         ):

@@ -32,6 +32,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.convert import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
+from pagedllm.serving.lora import lora_modules, request_lora_name  # noqa: E402
 from pagedllm.serving.metrics import (  # noqa: E402
     CACHE_CONFIG_INFO,
     COUNTERS,
@@ -185,6 +186,10 @@ class TritonPythonModel:
             fault_injection=setting(params, "fault_injection"),
             stopping=_stopping(setting(params, "drain_file")),
             drain_timeout=float(setting(params, "drain_timeout_s", str(DEFAULT_DRAIN_TIMEOUT))),
+            # vllm_backend's multi_lora.json beside this file, and the lora_modules setting
+            lora_modules=lora_modules(
+                params, os.path.join(args["model_repository"], args["model_version"])
+            ),
         )
         if exporter:
             engine = self.model.engine
@@ -211,7 +216,8 @@ class TritonPythonModel:
 
             send, fail = _senders(sender)
             get = adapter.getter(pb_utils, request)
-            self.model.handle(get, send, fail, sender.is_cancelled)
+            lora_name = request_lora_name(request.parameters())  # vllm_backend's second place
+            self.model.handle(get, send, fail, sender.is_cancelled, lora_name)
         return None
 
     def finalize(self):

@@ -141,6 +141,8 @@ class GenerateRequest:
     downstream_cancel_check: bool = False
     # beam_width > 1: a beam search (`serving.beams`), its settings from `params`
     beam: BeamSearchParams | None = None
+    # vllm_backend's `lora_name` in sampling_parameters: the adapter (`serving.lora`)
+    lora_name: Any = None
 
 
 def _single(name: str, array: np.ndarray) -> Any:
@@ -195,6 +197,7 @@ def parse_request(get: Getter) -> GenerateRequest:
     raw_json = get("sampling_parameters")
     if raw_json is not None:
         values.update(_json_object(str(_single("sampling_parameters", raw_json))))
+    lora_name = values.pop("lora_name", None)
     sent: dict[str, str] = {}  # field -> the tensor that set it
     for name, field in SCALAR_INPUTS.items():
         array = get(name)
@@ -248,6 +251,7 @@ def parse_request(get: Getter) -> GenerateRequest:
         top_logprobs=params.logprobs if top_logprobs is not None else None,
         downstream_cancel_check=flags.get(DOWNSTREAM_CANCEL_CHECK, False),
         beam=beam,
+        lora_name=lora_name,
     )
 
 

@@ -27,6 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.faults import FaultInjection
 from pagedllm.engine.service import EngineService, OnBeams, OnStats
+from pagedllm.lora.slots import check_request
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.beams import beam_output
@@ -34,6 +35,7 @@ from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Fail, IsCancelled, Send, Stream
 from pagedllm.serving.errors import Code, error_code
+from pagedllm.serving.lora import LoRANames
 from pagedllm.serving.settings import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_QUEUED_REQUESTS
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class EngineModel:
         fault_injection: str = "",
         stopping: Callable[[], bool] | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
         """`on_stats` (optional, called on the engine thread) feeds metrics (None: the engine
         records none); `trace_file`: request-lifecycle events, one JSON object per line;
@@ -63,7 +66,9 @@ class EngineModel:
         request is refused from then on); `fault_injection`: a test hook, "" in production;
         `stopping`: True once the server is stopping or unloading this model — then new
         requests are refused (UNAVAILABLE), and those in flight get `drain_timeout` seconds to
-        finish before they are aborted (so the server's own exit timeout is never reached)."""
+        finish before they are aborted (so the server's own exit timeout is never reached);
+        `lora_modules`: the adapters requests may name (`serving.lora`), each read and checked
+        now: a bad one stops the start."""
         self.engine = LLMEngine(
             config,
             metrics=on_stats is not None,
@@ -72,6 +77,9 @@ class EngineModel:
         )
         # the grammar engine reads the vocabulary now, not with the first constrained request
         self.engine.grammar_compiler()
+        self.loras = LoRANames(config.lora is not None, lora_modules or {})
+        for lora in self.loras.requests.values():
+            check_request(self.engine.runner.lora, lora)
         self._on_dead = on_dead
         self._stopping = stopping
         self.drain_timeout = drain_timeout
@@ -91,10 +99,21 @@ class EngineModel:
         self._sender.start()
         self._cancel_polls = CancelPolls()
 
-    def handle(self, get: Getter, send: Send, fail: Fail, is_cancelled: IsCancelled) -> None:
-        """Start one request; responses arrive through `send` from the sender thread."""
+    def handle(
+        self,
+        get: Getter,
+        send: Send,
+        fail: Fail,
+        is_cancelled: IsCancelled,
+        lora_name: object = None,
+    ) -> None:
+        """Start one request; responses arrive through `send` from the sender thread.
+        `lora_name`: the request parameter's (sampling_parameters' wins)."""
         try:
             req = parse_request(get)
+            lora = self.loras.resolve(req.lora_name if req.lora_name is not None else lora_name)
+            if lora is not None and req.beam is not None:
+                raise RequestError("beam search with a LoRA adapter is not supported")
         except RequestError as e:
             fail(str(e), "INVALID_ARG")
             return
@@ -171,7 +190,9 @@ class EngineModel:
                     stream.request_id, prompt, req.beam, on_beams, on_error
                 )
             else:
-                self.service.submit(stream.request_id, prompt, params, on_output, on_error)
+                self.service.submit(
+                    stream.request_id, prompt, params, on_output, on_error, lora_request=lora
+                )
         except RuntimeError as e:  # shutting down, or the engine is dead
             message = str(e) if error_code(str(e)) == "UNAVAILABLE" else f"the engine {e}"
             self._outbox.put(lambda: self._fail(stream, message, "UNAVAILABLE"))

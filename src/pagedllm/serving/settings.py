@@ -129,6 +129,7 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
     """The engine's settings; `device` (default: `instance_device` of a KIND_CPU instance) is
     resolved by EngineConfig.create."""
     from pagedllm.config import EngineConfig  # torch: the engine's model alone imports it
+    from pagedllm.serving.lora import lora_config
 
     device = instance_device(parameters) if device is None else device
 
@@ -152,4 +153,5 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         tensor_parallel_size=tensor_parallel_size(parameters),
         stream_interval=int_setting(parameters, "stream_interval", 1, minimum=1),
         speculative_config=get("speculative_config", ""),  # JSON; "" or "{}": none
+        lora=lora_config(parameters),  # enable_lora, max_loras, max_lora_rank (serving.lora)
     )

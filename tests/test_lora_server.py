@@ -1,0 +1,133 @@
+"""LoRA served by a real tritonserver (one server, two PEFT adapters), the way vllm_backend
+users call it: `lora_name` in `sampling_parameters` or in the request's parameters routes a
+request to its adapter, each text equal to the offline engine's with that adapter; an
+unknown name is vllm_backend's error, and the server stays healthy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from lora_adapters import save_adapter
+from test_server import PROMPT, body, post
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.serving.launcher import make_server
+from pagedllm.serving.lora import add_serve_arguments, lora_modules, serve_env
+from pagedllm.serving.tritonserver import TritonServer
+
+MAX_TOKENS = 12
+NAMES = ("all", "mlp_o")  # two of lora_adapters.ADAPTERS: different ranks and targets
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("lora-server")
+    base = checkpoints["llama"]
+    return {n: str(save_adapter(base, root / n, n, seed=20)) for n in NAMES}
+
+
+@pytest.fixture(scope="module")
+def server(
+    checkpoints: dict[str, Path], adapters: dict, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    env = {
+        "PAGEDLLM_ENABLE_LORA": "true",
+        "PAGEDLLM_MAX_LORAS": "2",
+        "PAGEDLLM_MAX_LORA_RANK": "8",
+        "PAGEDLLM_LORA_MODULES": json.dumps(adapters),
+    }
+    work = tmp_path_factory.mktemp("triton-lora")
+    with make_server(str(checkpoints["llama"]), dtype="float32", work_dir=work, env=env) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoints: dict[str, Path], adapters: dict) -> dict[str | None, tuple]:
+    """Each adapter's (text, token ids), and the base model's under None, from the offline
+    engine."""
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enable_lora=True, max_loras=2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    loras = [None, *(LoRARequest(n, i + 1, adapters[n]) for i, n in enumerate(NAMES))]
+    outs = llm.generate([PROMPT] * len(loras), params, lora_request=loras, use_tqdm=False)
+    texts = {
+        (r.lora_name if r else None): (o.outputs[0].text, list(o.outputs[0].token_ids))
+        for r, o in zip(loras, outs, strict=True)
+    }
+    assert len({tuple(ids) for _, ids in texts.values()}) == 3  # each adapter changes them
+    return texts
+
+
+def generate(server: TritonServer, **extra: object) -> tuple[int, dict]:
+    status, text = post(
+        f"{server.http_url}/v2/models/ensemble/generate",
+        body(max_tokens=MAX_TOKENS, exclude_input_in_output=True, **extra),
+    )
+    return status, json.loads(text)
+
+
+def result(out: dict) -> tuple:
+    ids = out["output_token_ids"]
+    return out["text_output"], ids if isinstance(ids, list) else [ids]
+
+
+def test_lora_name_routes_each_request_to_its_adapter(
+    server: TritonServer, offline: dict[str | None, tuple]
+) -> None:
+    for name in NAMES:  # vllm_backend's two places: sampling_parameters, request parameters
+        sampling = json.dumps({"ignore_eos": True, "lora_name": name})
+        status, out = generate(server, sampling_parameters=sampling)
+        assert status == 200, out
+        assert result(out) == offline[name]
+        status, out = generate(server, parameters={"lora_name": name})
+        assert status == 200, out
+        assert result(out) == offline[name]
+    status, out = generate(server)
+    assert (status, result(out)) == (200, offline[None])
+
+
+def test_unknown_adapter_is_vllm_backends_error_and_the_server_stays_healthy(
+    server: TritonServer, offline: dict[str | None, tuple]
+) -> None:
+    status, out = generate(server, parameters={"lora_name": "nope"})
+    assert status == 400
+    # (the ensemble puts its name ahead of the step's message)
+    assert out["error"].endswith(
+        "LoRA nope is not supported, we currently support ['all', 'mlp_o']"
+    )
+    sampling = json.dumps({"ignore_eos": True, "lora_name": "nope"})
+    status, out = generate(server, sampling_parameters=sampling)
+    assert status == 400 and "LoRA nope is not supported" in out["error"]
+    status, out = generate(server, parameters={"lora_name": "all"})
+    assert (status, result(out)) == (200, offline["all"])
+
+
+def test_lora_switched_off_is_vllm_backends_error(shared_server: TritonServer) -> None:
+    """The session's shared server (no --enable-lora): a lora_name is refused, not ignored."""
+    status, out = generate(shared_server, parameters={"lora_name": "all"})
+    assert status == 400 and out["error"].endswith("LoRA feature is not enabled."), out
+
+
+def test_adapters_from_multi_lora_json_and_serve_flags(tmp_path: Path) -> None:
+    """vllm_backend's multi_lora.json (paths relative to it), the lora_modules setting over
+    it; `pagedllm serve`'s flags as the settings they stand for."""
+    (tmp_path / "multi_lora.json").write_text(json.dumps({"a": "ad/a", "b": "/abs/b"}))
+    modules = lora_modules({"lora_modules": json.dumps({"b": "/other/b"})}, str(tmp_path))
+    assert modules == {"a": str(tmp_path / "ad" / "a"), "b": "/other/b"}
+    with pytest.raises(ValueError, match="lora_modules must be a JSON object"):
+        lora_modules({"lora_modules": "[1]"})
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "x=/p/x", "--max-loras", "3"])
+    assert serve_env(args) == {
+        "PAGEDLLM_ENABLE_LORA": "true",
+        "PAGEDLLM_LORA_MODULES": json.dumps({"x": "/p/x"}),
+        "PAGEDLLM_MAX_LORAS": "3",
+    }
+    with pytest.raises(ValueError, match="need --enable-lora"):
+        serve_env(parser.parse_args(["--lora-modules", "x=/p/x"]))
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        serve_env(parser.parse_args(["--enable-lora", "--lora-modules", "x"]))
