@@ -99,10 +99,19 @@ def write_gguf(
         out = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, name
         kind = "F32" if t.dim() == 1 else qtype if ".layers." in name else "Q8_0"
-        data = t.float().numpy()
-        if kind != "F32":
-            data = gguf.quants.quantize(data, Q[kind])
-        writer.add_tensor(out, data, raw_dtype=Q[kind])
+        add_tensor(writer, out, t, kind)
+    close(writer)
+
+
+def add_tensor(writer: Any, name: str, t: torch.Tensor, kind: str) -> None:
+    """`t` written as `kind` (F32 or a quantization type's name)."""
+    data = t.float().numpy()
+    if kind != "F32":
+        data = gguf.quants.quantize(data, Q[kind])
+    writer.add_tensor(name, data, raw_dtype=Q[kind])
+
+
+def close(writer: Any) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_gguf_families import _generate
+from test_gguf_families import _generate, add_tensor, close
 from test_quantization import _LINEARS, _round_inputs, _rounding_matmuls, assert_greedy_matches
 
 from conftest import TINY, hf_greedy, random_prompts
@@ -23,7 +23,6 @@ from pagedllm import LLM
 from pagedllm.config import ConfigError
 
 gguf = pytest.importorskip("gguf")
-Q = gguf.GGMLQuantizationType
 
 # family -> (gguf-py's MODEL_ARCH, the type of the file's layer weights); embeddings and
 # output in Q8_0, 1-D tensors in F32 (the router is quantized too: read dense)
@@ -59,14 +58,8 @@ def write_gguf(path: Path, hf_dir: Path, family: str) -> None:
     writer.add_expert_used_count(hf["num_experts_per_tok"])
     for name, t in sorted(tensors.items()):
         kind = "F32" if t.dim() == 1 else qtype if name.startswith("blk.") else "Q8_0"
-        data = t.float().numpy()
-        if kind != "F32":
-            data = gguf.quants.quantize(data, Q[kind])
-        writer.add_tensor(name, data, raw_dtype=Q[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_tensor(writer, name, t, kind)
+    close(writer)
 
 
 def transformers_on_the_file(hf_dir: Path) -> Any:
