@@ -19,8 +19,9 @@ from conftest import TINY, hf_greedy, hf_model, make_checkpoint, random_prompts
 from families import make_family_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError, ModelConfig
-from pagedllm.families import FAMILIES, SUPPORTED_ARCHITECTURES
+from pagedllm.families import FAMILIES
 from pagedllm.model import gguf as gguf_loader
+from pagedllm.model.gguf_moe import MOE_ARCHS
 from pagedllm.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -98,10 +99,19 @@ def write_gguf(
         out = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, name
         kind = "F32" if t.dim() == 1 else qtype if ".layers." in name else "Q8_0"
-        data = t.float().numpy()
-        if kind != "F32":
-            data = gguf.quants.quantize(data, Q[kind])
-        writer.add_tensor(out, data, raw_dtype=Q[kind])
+        add_tensor(writer, out, t, kind)
+    close(writer)
+
+
+def add_tensor(writer: Any, name: str, t: torch.Tensor, kind: str) -> None:
+    """`t` written as `kind` (F32 or a quantization type's name)."""
+    data = t.float().numpy()
+    if kind != "F32":
+        data = gguf.quants.quantize(data, Q[kind])
+    writer.add_tensor(name, data, raw_dtype=Q[kind])
+
+
+def close(writer: Any) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -211,21 +221,12 @@ def test_the_table_covers_every_family_as_the_converter_writes_it() -> None:
     """Each served architecture is written as exactly one GGUF arch, permuted and offset as
     the converter does (the test's own account above)."""
     written = [hf for arch in gguf_loader.ARCHS.values() for hf in arch.hf]
-    dense = [a for a in SUPPORTED_ARCHITECTURES if not (FAMILIES[a].moe or FAMILIES[a].mla)]
-    assert sorted(written) == sorted(dense)
+    dense = [a for a, f in FAMILIES.items() if not (f.moe or f.mla or f.hybrid)]
+    assert sorted(written) == sorted(dense + list(MOE_ARCHS))  # (test_gguf_moe)
     for name, arch in gguf_loader.ARCHS.items():
         assert arch.permuted == (name.upper() in PERMUTED), name
         assert arch.unit_offset == (name.upper() in PLUS_ONE), name
         assert all(FAMILIES[hf].unit_offset_norm == arch.unit_offset for hf in arch.hf), name
-
-
-def test_experts_and_latent_attention_are_refused_clearly(tmp_path: Path) -> None:
-    """GGUF files of mixture-of-experts and latent-attention models are not read yet: a clear
-    error before the file is opened, naming what to do instead."""
-    hf_dir = make_family_checkpoint(tmp_path / "mixtral", "mixtral")
-    (hf_dir / "model.gguf").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"MixtralForCausalLM .* not read yet: load its"):
-        LLM(str(hf_dir), quantization="gguf")
 
 
 def test_unknown_or_mismatched_architectures_are_refused(tmp_path: Path) -> None:

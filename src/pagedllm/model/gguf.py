@@ -12,7 +12,9 @@ smollm3) the converter permuted the q and k rows to the interleaved layout our m
 (model/decoder.py), and they are taken as they are; for the others (its NEOX rope) they stay
 half-split as in HF's checkpoint and are permuted here, with the q/k biases and q/k norm
 weights, quantized ones too (blocks run along a row: permuting rows moves whole blocks).
-Gemma's norm weights arrive as 1 + w, which is how we store them too.
+Gemma's norm weights arrive as 1 + w, which is how we store them too. Mixture-of-experts
+files (qwen2moe, qwen3moe: their stacked experts, router and shared expert) are read by
+model/gguf_moe.py's hooks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.layers.quant import QuantizedWeight
+from pagedllm.model import gguf_moe
 from pagedllm.model.layout import shard_sizes
 from pagedllm.model.rope import interleave_rows
 
@@ -54,6 +57,8 @@ ARCHS = {
     "gemma3": Arch(("Gemma3ForCausalLM",), permuted=False, unit_offset=True),
     "phi3": Arch(("Phi3ForCausalLM",), permuted=False, fused=True),
     "olmo2": Arch(("Olmo2ForCausalLM",), permuted=False),
+    "qwen2moe": Arch(("Qwen2MoeForCausalLM",), permuted=False),
+    "qwen3moe": Arch(("Qwen3MoeForCausalLM",), permuted=False),
 }
 
 _NAMES = {
@@ -79,6 +84,7 @@ _LAYER_NAMES = {
     "ffn_gate": ("mlp.gate_up_proj", 0),
     "ffn_up": ("mlp.gate_up_proj", 1),  # gate and up fused where the arch is (Phi-3)
     "ffn_down": ("mlp.down_proj", None),
+    **gguf_moe.LAYER_NAMES,  # experts, router, shared expert (model/gguf_moe.py)
 }
 # rotary frequencies and longrope factors: computed from config.json
 _SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -103,11 +109,7 @@ def read_model(model_dir: Path, cfg: ModelConfig) -> Iterator[Loaded]:
     mapped, not read whole): dense ones as fp32 tensors, quantized ones as QuantizedWeight;
     fused ones (Phi-3) as their shards. `cfg`: the whole model's (not a tensor-parallel
     rank's)."""
-    if cfg.moe is not None or cfg.mla is not None:
-        raise ConfigError(
-            f"GGUF files of {cfg.architecture} (experts or latent attention) are not read yet: "
-            "load its safetensors, quantized at load with quantization 'int8' or 'int4'"
-        )
+    gguf_moe.refuse_unread(cfg)
     try:
         import gguf
     except ImportError as e:
@@ -127,7 +129,8 @@ def read_model(model_dir: Path, cfg: ModelConfig) -> Iterator[Loaded]:
         if target is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims inner first
-        tensor = _tensor(gguf, t.tensor_type, np.asarray(t.data), shape, t.name)
+        decoded = gguf_moe.stacked_shape(shape) if len(shape) == 3 else shape
+        tensor = _tensor(gguf, t.tensor_type, np.asarray(t.data), decoded, t.name)
         for ours, shard, part in _unfuse(t.name, target, tensor, cfg):
             yield t.name, (ours, shard), _to_layout(ours, shard, part, cfg, arch)
         if head_from_embd and t.name == "token_embd.weight":
@@ -175,6 +178,9 @@ def _unfuse(
 ) -> Iterator[tuple[str, int | None, Tensor]]:
     """(our name, shard, tensor): a fused q/k/v or gate/up tensor as its shards."""
     ours, shard = target
+    if ours.split(".")[-2] in gguf_moe.SPLIT:
+        yield from gguf_moe.split(ours, shard, tensor, cfg)
+        return
     sizes = shard_sizes(cfg).get(ours.split(".")[-2])
     if sizes is None or shard is not None:
         yield ours, shard, tensor

@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.layers.moe import quantize_experts
 from pagedllm.layers.quant import QuantizedWeight, packs_on_cpu, quantize, quantize_int8
-from pagedllm.model import arena, gguf, layout, moe_layout
+from pagedllm.model import arena, gguf, gguf_moe, layout, moe_layout
 from pagedllm.model.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -196,7 +196,9 @@ def _fill_from_gguf(
         if set(parts) != set(order):
             continue  # reported as missing by _check_complete
         weight = gguf.concat([parts[s] for s in order])
-        if weight.shape != tuple(params[ours].shape):
+        if ours.split(".")[-2] in moe_layout.EXPERT_MODULES:
+            weight = gguf_moe.stack(weight, tuple(params[ours].shape), ours)
+        elif weight.shape != tuple(params[ours].shape):
             raise ConfigError(
                 f"GGUF tensor for {ours!r} has shape {weight.shape}, expected "
                 f"{tuple(params[ours].shape)}"
