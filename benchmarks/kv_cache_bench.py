@@ -1,13 +1,16 @@
 """KV-cache quantization on SmolLM2-135M (CPU), printing one JSON document.
 
     .venv/bin/python benchmarks/kv_cache_bench.py [--model DIR] [--parts ppl,agree,mix,decode]
-        [--kv-dtypes auto,int8,fp8_e4m3,fp8_e5m2] [--quick]
+        [--kv-dtypes auto,int8,fp8_e4m3,fp8_e5m2,fp8_e4m3:calc] [--quick]
 
 Parts, each kv_cache_dtype beside `auto` (the model's dtype, fp32 here: fp32 activations, as
 the weight-quantization rows of benchmarks/peers.py):
 - ppl: perplexity of the fixed text (benchmarks/data/opticks.txt), teacher-forced in
   llama-perplexity's windows of 512 tokens, from prompt log-probs: the text the
   weight-quantization benchmark scores (peers_parts.ours.ppl), so the rows compare;
+A dtype spelled `fp8_...:calc` runs with `calculate_kv_scales` (each layer's scales estimated
+from the first forward, model/kv_scales.py; agree only); a plain fp8 one with scale 1.0 (SmolLM2's
+checkpoint has no scales).
 - agree: greedy continuations of prompts cut from the text: teacher-forced agreement (the
   unquantized engine, fed the quantized run's tokens, ranks the same token first) and, free
   running, the tokens before the first divergence from the unquantized run;
@@ -65,7 +68,8 @@ def agree(model: str, kinds: list[str], prompts: int, tokens: int) -> dict[str, 
     for kind in kinds:
         if kind == "auto":
             continue
-        llm = LLM(model, dtype="float32", device="cpu", kv_cache_dtype=kind)
+        name, _, how = kind.partition(":")
+        llm = engine(model, name, calculate_kv_scales=how == "calc")
         outs = continuations(llm)
         llm.close()
         fed = ref.generate(

@@ -74,11 +74,12 @@ def run_both(
     config: object | None = None,
     perturb: Callable[[AttnLayer], AttnLayer] | None = None,
     cache_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Triton backend output, reference output) for one layer of one step on random inputs;
     also checks that both caches hold the same keys and values afterwards. `perturb` changes
     the Triton side's layer only (for the tests that must detect a mistake); `cache_dtype`: an
-    fp8 cache (kv_cache_dtype.py), on both sides."""
+    fp8 cache (kv_cache_dtype.py), on both sides, with the layer's `kv_scales`."""
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 
     step, num_blocks = make_step(requests, block_size, num_decodes)
@@ -90,7 +91,7 @@ def run_both(
     # q and kv are strided views of one qkv buffer, as in the model
     qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q, kv = qkv[:, :heads], qkv[:, heads:].view(n, 2, kv_heads, head_dim)
-    layer = AttnLayer(head_dim**-0.5, window, softcap)
+    layer = AttnLayer(head_dim**-0.5, window, softcap, None, *kv_scales)
 
     ref, ref_cache = TorchAttentionBackend(), cache.clone()
     expected = ref.forward(q, kv, ref_cache, ref.build_metadata(step), layer)
@@ -250,6 +251,20 @@ def test_fp8_cache_matches_reference(
         tk, requests, dtype=dtype, kv_heads=2, group=3, cache_dtype=cache_dtype, config=config
     )
     assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_scales_match_reference(tk: ModuleType, cache_dtype: torch.dtype) -> None:
+    """Per-layer k_scale / v_scale (vLLM's): the write stores k / k_scale (the same bits as
+    the reference), decodes (split-K too), chunks and prompts read fp8 * scale; unlike the
+    output at scale 1."""
+    requests = [(0, 1), (8, 1), (29, 1), (80, 1), (11, 9), (0, 20)]
+    config = small_tiles(tk, decode_block_n=16)
+    common = dict(dtype=torch.float16, kv_heads=2, group=3, cache_dtype=cache_dtype)
+    out, expected = run_both(tk, requests, config=config, kv_scales=(0.37, 2.9), **common)
+    assert_matches(out, expected)
+    plain, _ = run_both(tk, requests, config=config, **common)
+    assert (out.float() - plain.float()).abs().amax() > 0.5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -64,6 +64,9 @@ class CacheConfig:
     num_state_slots: int | None = None
     # the KV cache's element type (kv_cache_dtype.py): auto, fp8_e4m3, fp8_e5m2 or int8
     cache_dtype: str = "auto"
+    # an fp8 cache without scales in the checkpoint: estimate them from the first forward
+    # (vLLM's calculate_kv_scales; model/kv_scales.py); else 1.0
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dtype", check_kv_cache_dtype(self.cache_dtype))
@@ -190,6 +193,7 @@ class EngineConfig:
         free_out_of_window_blocks: bool = True,
         num_state_slots: int | None = None,
         kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
         lora: LoRAConfig | None = None,
         speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None,
     ) -> EngineConfig:
@@ -241,7 +245,13 @@ class EngineConfig:
                 kv_cache_dtype=kv_kind,
             )
         cache = CacheConfig(
-            block_size, num_kv_blocks, enable_prefix_caching, window, num_state_slots, kv_kind
+            block_size,
+            num_kv_blocks,
+            enable_prefix_caching,
+            window,
+            num_state_slots,
+            kv_kind,
+            calculate_kv_scales,
         )
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -43,9 +43,10 @@ class LLM:
     `runner="pooling"` (with `pooler_config`): the model as an embedder, for `embed` alone
     (`pagedllm.pooling`, docs/embeddings.md). `kv_cache_dtype`: vLLM's values, auto (the
     model's dtype), int8 / int8_per_token_head (the CPU) or fp8 / fp8_e4m3 / fp8_e5m2
-    (docs/kv_cache.md). `enable_lora`: serve LoRA adapters (`generate`'s `lora_request`):
-    `max_loras` at once on the device, ranks up to `max_lora_rank`, `max_cpu_loras` kept
-    read in host memory (docs/lora.md). `speculative_config`: vLLM's, e.g. `{"method":
+    (docs/kv_cache.md); an fp8 cache's scales come from the checkpoint, else 1.0, or with
+    `calculate_kv_scales` from the first forward's keys and values. `enable_lora`: serve
+    LoRA adapters (`generate`'s `lora_request`): `max_loras` at once on the device, ranks up
+    to `max_lora_rank`, `max_cpu_loras` kept read in host memory (docs/lora.md). `speculative_config`: vLLM's, e.g. `{"method":
     "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}` (`pagedllm.spec_config`)."""
 
     def __init__(
@@ -71,6 +72,7 @@ class LLM:
         runner: str = "generate",
         pooler_config: PoolerConfig | None = None,
         kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -99,6 +101,7 @@ class LLM:
             enforce_eager=enforce_eager,
             num_state_slots=num_state_slots,
             kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
             lora=lora,
             speculative_config=speculative_config,
         )

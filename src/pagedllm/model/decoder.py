@@ -166,6 +166,8 @@ class CausalLM(nn.Module):
         # are left empty
         self.quantized: dict[str, QuantizedWeight] = {}
         self.layer_weights: list[LayerWeights] = []
+        # an fp8 cache's (k_scale, v_scale) by layer, from the checkpoint (model/kv_scales.py)
+        self.kv_scales: dict[int, tuple[float, float]] = {}
         # (embeddings, lm_head) as the forward pass uses them (a tuple: a Parameter assigned
         # to a module attribute would be registered again)
         self._io: tuple[Weight, Weight] = (self.embed_tokens.weight, self.lm_head.weight)
@@ -219,6 +221,7 @@ class CausalLM(nn.Module):
                         cfg.layer_windows[i],
                         cfg.attn_softcap,
                         attn.sinks.float() if cfg.attn_sinks else None,
+                        *self.kv_scales.get(i, (1.0, 1.0)),
                     ),
                     cfg.layer_ropes[i],
                     moe,

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.quant import QuantizedWeight
-from pagedllm.model import hybrid_layout, moe_layout
+from pagedllm.model import hybrid_layout, kv_scales, moe_layout
 from pagedllm.model.rope import interleave_rows
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ FUSED_IN_CHECKPOINT = ("qkv_proj", "gate_up_proj")
 
 def target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     """Map a HF tensor name to our parameter name (and fused shard), None to skip it."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
+    if name.endswith("rotary_emb.inv_freq") or kv_scales.kind(name) is not None:
+        return None  # (an fp8 cache's scales: read by the loader, kv_scales.py)
     if cfg.hybrid is not None:  # Qwen3.5: a vision-language checkpoint's text, linear layers
         text = hybrid_layout.text_name(name)
         if text is None:

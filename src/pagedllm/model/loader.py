@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.config import ConfigError, ModelConfig
 from pagedllm.layers.moe import quantize_experts
 from pagedllm.layers.quant import QuantizedWeight, packs_on_cpu, quantize, quantize_int8
-from pagedllm.model import arena, gguf, gguf_moe, layout, moe_layout
+from pagedllm.model import arena, gguf, gguf_moe, kv_scales, layout, moe_layout
 from pagedllm.model.decoder import CausalLM
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ def load_model(
         select = None if slicer is None else _by_hf_name(slicer, full)
         tensors = iter_checkpoint(weight_files(Path(model_dir)), select)
         for hf_name, tensor in tensors:
+            if kv_scales.take(hf_name, tensor, model.kv_scales):
+                continue
             for ours, shard, part in layout.unfuse(hf_name, tensor, full):
                 where = slicer and layout.fused_in_checkpoint(hf_name, full) and slicer(ours, shard)
                 if where:  # a fused tensor is read whole: this rank's part of its shard

@@ -20,7 +20,7 @@ from pagedllm.distributed.shard import ShardPlan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoraSlots
-from pagedllm.model import arena, load_model
+from pagedllm.model import arena, kv_scales, load_model
 from pagedllm.model.decoder import ForwardContext
 from pagedllm.model.gdn_block import build_step, new_states, spread_kv_caches
 from pagedllm.model.rope import rotary_table
@@ -86,6 +86,9 @@ class ShardExecutor:
         if self.device.type == "cpu" and config.cache.cache_dtype in kv_cache_dtype.FP8:
             backend = "torch"  # fp8 on the CPU: the reference path alone (no C++ kernel)
         self.backend = create_attention_backend(backend, str(self.device))
+        # fp8 scales to estimate from the first forward (then the graphs are captured)
+        self.scale_estimator = kv_scales.estimator(config, self.model, self.backend)
+        self._capture_pending = False
         self.block_size = config.cache.block_size
         num_kv_blocks = config.cache.num_kv_blocks
         assert num_kv_blocks is not None
@@ -128,7 +131,9 @@ class ShardExecutor:
             self.lora = LoraSlots(config.lora, mcfg, self.device, config.dtype, plan)
 
     def capture_graphs(self) -> None:
-        if self.graphs is not None:
+        if self.graphs is not None and self.scale_estimator is not None:
+            self._capture_pending = True  # after the scales: the graphs hold them
+        elif self.graphs is not None:
             self.graphs.capture()
 
     def inputs(self, plan: StepPlan) -> StepInputs:
@@ -166,14 +171,22 @@ class ShardExecutor:
             and self.graphs.can_run(step)
         ):
             return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
-        metadata = self.backend.build_metadata(step)
+        estimator = self.scale_estimator
+        backend = estimator or self.backend
+        metadata = backend.build_metadata(step)
         rotary = self.rotations(step.positions)
-        ctx = ForwardContext(rotary, self.kv_caches, self.backend, metadata, lora)
+        ctx = ForwardContext(rotary, self.kv_caches, backend, metadata, lora)  # type: ignore[arg-type]
         if self.states:  # a hybrid model: the requests' linear-attention state slots
             gdn = build_step(plan.query_start_loc, plan.state_slots, plan.state_continues,
                              self.states, self.device)  # fmt: skip
             ctx = ctx._replace(gdn=gdn)
-        return self.model(step.input_ids, ctx, step.logits_indices)
+        logits = self.model(step.input_ids, ctx, step.logits_indices)
+        if estimator is not None:
+            kv_scales.install(self.model, estimator.scales)
+            self.scale_estimator = None
+            if self._capture_pending:
+                self.capture_graphs()
+        return logits
 
     def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each token's rotation by each rope of the model, (N, 1, head_dim / 2) complex."""

@@ -47,12 +47,16 @@ class AttnLayer(NamedTuple):
     cap * tanh(s / cap) after scaling; None: none) and the attention sinks (gpt-oss): one
     learned logit per query head that joins each query's softmax denominator and has no value,
     out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])); fp32 (num_heads,) of this
-    rank's heads, on the model's device; None: none."""
+    rank's heads, on the model's device; None: none. `k_scale` / `v_scale`: an fp8 cache's
+    scales (vLLM's): keys stored as k / k_scale, read back as fp8 * k_scale (values alike);
+    other caches ignore them."""
 
     scale: float
     window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 class DecodeBatch(NamedTuple):

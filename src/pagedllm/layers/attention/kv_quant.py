@@ -47,14 +47,26 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> tor
     return (x.float() / scale).clamp_(-top, top).to(dtype)
 
 
-def write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+def _kv_scales(kv: torch.Tensor, scales: tuple[float, float]) -> torch.Tensor:
+    # (k_scale, v_scale) shaped to broadcast over (..., 2, kv_heads, head_dim)
+    return torch.tensor(scales, dtype=torch.float32, device=kv.device).view(2, 1, 1)
+
+
+def write(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv: torch.Tensor,
+    scales: tuple[float, float] = (1.0, 1.0),
+) -> None:
     """Store each token's keys and values `kv` (N, 2, kv_heads, head_dim) in its slot of a
-    (num_blocks, block_size, 2, kv_heads, row) cache, quantized as the cache's dtype says."""
+    (num_blocks, block_size, 2, kv_heads, row) cache, quantized as the cache's dtype says
+    (fp8: divided by `scales`, (k_scale, v_scale))."""
     flat = kv_cache.view(-1, *kv_cache.shape[2:])
     if kv_cache.dtype == torch.int8:
         rows = quantize_int8(kv)
     elif kv_cache.dtype in _FP8:  # copied as bytes: index_copy_ has no fp8 kernel everywhere
-        rows = quantize_fp8(kv, kv_cache.dtype).view(torch.uint8)
+        rows = quantize_fp8(kv.float() / _kv_scales(kv, scales), kv_cache.dtype)
+        rows = rows.view(torch.uint8)
         flat = flat.view(torch.uint8)
     else:
         rows = kv
@@ -62,12 +74,18 @@ def write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) 
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    dtype: torch.dtype,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """The blocks `block_ids` of a cache, (len(block_ids), block_size, 2, kv_heads, head_dim),
-    dequantized to `dtype` (a copy; the cache's own dtype: the blocks as they are)."""
+    dequantized to `dtype` (a copy; the cache's own dtype: the blocks as they are; fp8:
+    times `scales`, (k_scale, v_scale))."""
     if kv_cache.dtype in _FP8:
         raw = kv_cache.view(torch.uint8).index_select(0, block_ids).view(kv_cache.dtype)
-        return raw.to(dtype)
+        if scales == (1.0, 1.0):
+            return raw.to(dtype)
+        return (raw.float() * _kv_scales(raw, scales)).to(dtype)
     blocks = kv_cache.index_select(0, block_ids)
     return dequantize_int8(blocks, dtype) if kv_cache.dtype == torch.int8 else blocks

@@ -58,12 +58,16 @@ class TorchAttentionMetadata:
 
 
 def _gather(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torch.dtype
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    n: int,
+    dtype: torch.dtype,
+    scales: tuple[float, float],
 ) -> torch.Tensor:
     # whole blocks -> (n, num_blocks_each * block_size, 2, kv_heads, head_dim), a quantized
-    # cache's dequantized to `dtype`
+    # cache's dequantized to `dtype` (fp8: times `scales`)
     if kv_quant.is_quantized(kv_cache):
-        blocks = kv_quant.gather_blocks(kv_cache, block_ids, dtype)
+        blocks = kv_quant.gather_blocks(kv_cache, block_ids, dtype, scales)
         return blocks.view(n, -1, *blocks.shape[2:])
     blocks = kv_cache.flatten(1).index_select(0, block_ids)
     return blocks.view(n, -1, *kv_cache.shape[2:])
@@ -113,7 +117,8 @@ class TorchAttentionBackend:
         layer: AttnLayer,
     ) -> torch.Tensor:
         m = metadata
-        kv_quant.write(kv_cache, m.slot_mapping, kv)
+        scales = (layer.k_scale, layer.v_scale)
+        kv_quant.write(kv_cache, m.slot_mapping, kv, scales)
         _, num_heads, head_dim = q.shape
         num_kv_heads = kv.shape[2]
         group = num_heads // num_kv_heads
@@ -123,14 +128,14 @@ class TorchAttentionBackend:
         if d:
             # GQA without copies: the query heads of one KV head act as its query rows.
             # (D, kv, group, hd) x (D, kv, T, hd) -> (D, kv, group, hd)
-            ctx = _gather(kv_cache, m.decode_block_ids, d, q.dtype)
+            ctx = _gather(kv_cache, m.decode_block_ids, d, q.dtype, scales)
             qd = q[:d].view(d, num_kv_heads, group, head_dim)
             k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
             o = _attend(qd, k, v, masks[0], layer, False)
             outs.append(o.reshape(d, num_heads, head_dim))  # CUDA kernels may permute it
         for p, mask in zip(m.prefills, masks[1:], strict=True):
             # (1, heads, L, hd) x (1, kv, T, hd), causal after the cached prefix
-            ctx = _gather(kv_cache, p.block_ids, 1, q.dtype)[0, : p.ctx_len]
+            ctx = _gather(kv_cache, p.block_ids, 1, q.dtype, scales)[0, : p.ctx_len]
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)[None]
             k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]
             o = _attend(qp, k, v, mask, layer, group > 1)

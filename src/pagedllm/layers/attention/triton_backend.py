@@ -108,7 +108,8 @@ class TritonAttentionBackend:
         layer: AttnLayer,
     ) -> torch.Tensor:
         m, cfg = metadata, self.config
-        triton_kernels.write_kv(kv, kv_cache, m.slot_mapping)
+        scales = (layer.k_scale, layer.v_scale)
+        triton_kernels.write_kv(kv, kv_cache, m.slot_mapping, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = m.num_decodes
         if d:
@@ -125,6 +126,7 @@ class TritonAttentionBackend:
                 cfg,
                 layer.softcap,
                 layer.sinks,
+                scales,
             )
         if m.tile_request.shape[0]:
             triton_prefill.paged_prefill(
@@ -141,6 +143,7 @@ class TritonAttentionBackend:
                 cfg,
                 layer.softcap,
                 layer.sinks,
+                scales,
             )
         return out
 

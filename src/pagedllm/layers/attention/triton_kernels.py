@@ -19,11 +19,13 @@ table (`pos // block_size`), so a key tile (`BLOCK_N`) is independent of the blo
 
 A layer's features are constexpr switches of the attention kernels, chosen per launch from its
 `AttnLayer`: `USE_WINDOW` (a sliding window: the key loop starts where the window does) and
-`SOFTCAP` (logits capped as cap * tanh(s / cap) before the mask, see `score_scales`) and
-`SINKS` (a learned logit per query head joins each row's softmax denominator once, after the
-key loop, as one more key without a value, under the new running max max(m, sink): nothing
-overflows, and a row without keys gets output 0); a layer without them runs a kernel compiled
-without their code.
+`SOFTCAP` (logits capped as cap * tanh(s / cap) before the mask, see
+triton_launch.score_scales) and `SINKS` (a learned logit per query head joins each row's
+softmax denominator once, after the key loop, as one more key without a value, under the new
+running max max(m, sink): nothing overflows, and a row without keys gets output 0); a layer
+without them runs a kernel compiled without their code. An fp8 cache's scales
+(`AttnLayer.k_scale` / `v_scale`) are runtime values: the write divides by them, the scores'
+scale carries k_scale and the output v_scale (triton_launch.fp8_scales).
 
 No launch reads a device value on the host: grids depend on host-known sizes only.
 
@@ -40,30 +42,23 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.attention.triton_launch import KernelConfig, decode_launch, pow2
+from pagedllm.layers.attention.triton_launch import (
+    FP8_DTYPES,
+    LOG2E,
+    KernelConfig,
+    decode_launch,
+    fp8_scales,
+    pow2,
+)
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-LOG2E = 1.4426950408889634
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the kernels' copy (a global they may read)
-# a cache of these holds each key and value cast to fp8 (kv_cache_dtype.py, scale 1)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dot_options(dtype: torch.dtype) -> tuple[bool, str | None]:
     """(UPCAST, input precision): fp32 dots in IEEE fp32 (tf32 would lose greedy parity)."""
     upcast = INTERPRETED and dtype == torch.bfloat16
     return upcast, "ieee" if dtype == torch.float32 else None
-
-
-def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
-    """(qk_scale, softcap_log2): the kernels' scores, in log2 units (they use exp2), are
-    `x = q.k * qk_scale` without a soft-cap; with one (`SOFTCAP`) they are
-    `softcap_log2 * (2 / (1 + exp2(-x)) - 1)`, i.e. cap * tanh(q.k * scale / cap) * log2(e)
-    as tanh(y) = 2 / (1 + exp(-2y)) - 1 (one exp2 per score, no overflow: exp2 -> inf
-    gives -cap)."""
-    if softcap is None:
-        return scale * LOG2E, 0.0
-    return 2.0 * scale * LOG2E / softcap, softcap * LOG2E
 
 
 # --- KV-cache write --------------------------------------------------------------------------
@@ -83,6 +78,8 @@ def _write_kv_kernel(
     stride_c_slot,
     block_size,
     head_dim,
+    k_scale,  # an fp8 cache: keys stored as k / k_scale (AttnLayer); else unused
+    v_scale,
     FP8_MAX: tl.constexpr,  # an fp8 cache: its largest finite value; else 0
     FP8_EMIN: tl.constexpr,  # its smallest normal exponent
     FP8_MBITS: tl.constexpr,  # its mantissa bits
@@ -114,9 +111,8 @@ def _write_kv_kernel(
         # normal one for subnormals) is built from its exponent bits; adding and subtracting
         # 1.5 * 2^23 quanta rounds |x| to a multiple of it in fp32 arithmetic; the sign bit is
         # put back after (a negative x rounded to 0 is -0, as torch's).
-        bits = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(
-            tl.uint32, bitcast=True
-        )
+        x = x.to(tl.float32) / tl.where(which == 0, k_scale, v_scale)
+        bits = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(tl.uint32, bitcast=True)
         sign = bits & 0x80000000
         exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, FP8_EMIN) - FP8_MBITS
         magic = ((exp + 127) << 23).to(tl.float32, bitcast=True) * 12582912.0
@@ -125,10 +121,15 @@ def _write_kv_kernel(
     tl.store(dst + d, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scales: tuple[float, float] = (1.0, 1.0),
+) -> None:
     """Store `kv` (N, 2, kv_heads, head_dim) into `cache` (blocks, 2, kv_heads, block_size,
-    head_dim; any strides, last one 1) at `slot_mapping` (N,) int64; into an fp8 cache cast,
-    saturated."""
+    head_dim; any strides, last one 1) at `slot_mapping` (N,) int64; into an fp8 cache divided
+    by `scales` (k_scale, v_scale), saturated and cast."""
     n, _, kv_heads, head_dim = kv.shape
     fp8 = cache.dtype in FP8_DTYPES
     assert kv.stride(-1) == 1 and cache.stride(-1) == 1 and (fp8 or kv.dtype == cache.dtype)
@@ -144,6 +145,7 @@ def write_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) 
         *cache.stride()[:4],
         cache.shape[3],
         head_dim,
+        *scales,
         FP8_MAX=torch.finfo(cache.dtype).max if fp8 else 0.0,
         FP8_EMIN=-6 if cache.dtype == torch.float8_e4m3fn else -14,
         FP8_MBITS=3 if cache.dtype == torch.float8_e4m3fn else 2,
@@ -164,8 +166,9 @@ def _decode_kernel(
     part_out_ptr,  # (D, heads, splits, BLOCK_D) fp32, normalized partial outputs
     part_lse_ptr,  # (D, heads, splits) fp32, log2-sum-exp2 of each split's scores
     sinks_ptr,  # (heads,) fp32 sink logits; used when SINKS (and not SPLIT: the reduction's)
-    qk_scale,  # q.k times this (`score_scales`)
+    qk_scale,  # q.k times this (triton_launch.fp8_scales: an fp8 cache's k_scale included)
     softcap_log2,  # soft-cap * log2(e); used when SOFTCAP
+    v_scale,  # an fp8 cache's (triton_launch.fp8_scales); used when KV_FP8
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -255,6 +258,8 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.exp2(sink - m_new)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]  # rows without keys: 0
+    if KV_FP8:  # the values were read as stored, v / v_scale: the sum is linear in them
+        out = out * v_scale
     if not SPLIT:
         o_off = r.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
         tl.store(
@@ -318,11 +323,13 @@ def paged_decode(
     cfg: KernelConfig | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """`out[r]` = attention of `q[r]` (D, heads, head_dim) over the first `context_lens[r]`
     slots of block table row `r` (the last `window` of them with a window; scores soft-capped
-    with a `softcap`; `sinks`, fp32 (heads,), in each head's denominator). `num_splits` (a
-    power of two) is fixed by the caller, so a CUDA graph can capture the launch."""
+    with a `softcap`; `sinks`, fp32 (heads,), in each head's denominator; an fp8 cache's keys
+    and values times `kv_scales`). `num_splits` (a power of two) is fixed by the caller, so a
+    CUDA graph can capture the launch."""
     cfg = cfg or KernelConfig()
     d, heads, head_dim = q.shape
     kv_heads = cache.shape[2]
@@ -352,7 +359,7 @@ def paged_decode(
         part_out,
         part_lse,
         out if sinks is None else sinks,  # (unused without sinks)
-        *score_scales(scale, softcap),
+        *fp8_scales(cache, scale, softcap, kv_scales),
         q.stride(0),
         q.stride(1),
         *cache.stride()[:4],

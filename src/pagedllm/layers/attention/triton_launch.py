@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+LOG2E = 1.4426950408889634
+# a cache of these holds each key and value divided by its layer's scale and cast to fp8
+# (kv_cache_dtype.py; AttnLayer.k_scale / v_scale)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -125,3 +130,24 @@ def prefill_tiles(
             requests.append(r)
             rows.append(row)
     return requests, rows
+
+
+def fp8_scales(
+    cache: torch.Tensor, scale: float, softcap: float | None, kv_scales: tuple[float, float]
+) -> tuple[float, float, float]:
+    """(qk_scale, softcap_log2, v_scale) of an attention kernel: an fp8 cache's k_scale
+    folded into the scores' scale (q.(k8 * k_scale) = (q.k8) * k_scale), its v_scale applied to
+    the output (linear in the values); 1.0 for the other caches."""
+    k_scale, v_scale = kv_scales if cache.dtype in FP8_DTYPES else (1.0, 1.0)
+    return (*score_scales(scale * k_scale, softcap), v_scale)
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap_log2): the kernels' scores, in log2 units (they use exp2), are
+    `x = q.k * qk_scale` without a soft-cap; with one (`SOFTCAP`) they are
+    `softcap_log2 * (2 / (1 + exp2(-x)) - 1)`, i.e. cap * tanh(q.k * scale / cap) * log2(e)
+    as tanh(y) = 2 / (1 + exp(-2y)) - 1 (one exp2 per score, no overflow: exp2 -> inf
+    gives -cap)."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return 2.0 * scale * LOG2E / softcap, softcap * LOG2E

@@ -7,13 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.attention.triton_kernels import (
+from pagedllm.layers.attention.triton_kernels import LOG2E_C, dot_options
+from pagedllm.layers.attention.triton_launch import (
     FP8_DTYPES,
-    LOG2E_C,
-    dot_options,
-    score_scales,
+    KernelConfig,
+    fp8_scales,
+    pow2,
+    prefill_launch,
 )
-from pagedllm.layers.attention.triton_launch import KernelConfig, pow2, prefill_launch
 
 # --- prefill / chunked prefill ---------------------------------------------------------------
 
@@ -29,8 +30,9 @@ def _prefill_kernel(
     tile_row_ptr,  # (T,) int32: the tile's first query row, within its request
     out_ptr,
     sinks_ptr,  # (heads,) fp32 sink logits; used when SINKS
-    qk_scale,  # q.k times this (triton_kernels.score_scales)
+    qk_scale,  # q.k times this (triton_launch.fp8_scales; k_scale included)
     softcap_log2,  # soft-cap * log2(e); used when SOFTCAP
+    v_scale,  # an fp8 cache's (triton_launch.fp8_scales); used when KV_FP8
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -123,6 +125,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None]
         l_i = l_i * alpha + tl.exp2(sink - m_new)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:  # the values were read as stored, v / v_scale
+        out = out * v_scale
     o_off = tok[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
     tl.store(
         out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :]
@@ -143,12 +147,13 @@ def paged_prefill(
     cfg: KernelConfig | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal attention of every tile's query rows (see `prefill_tiles`, built with
     `cfg.prefill_block_m`) over its request's first `context_lens[r]` cached slots, the last
     `q_len` of which are the chunk's own tokens (with a `window`, the last `window` up to each
     query; scores soft-capped with a `softcap`; `sinks`, fp32 (heads,), in each head's
-    denominator)."""
+    denominator; an fp8 cache's keys and values times `kv_scales`)."""
     cfg = cfg or KernelConfig()
     _, heads, head_dim = q.shape
     group = heads // cache.shape[2]
@@ -168,7 +173,7 @@ def paged_prefill(
         tile_row,
         out,
         out if sinks is None else sinks,  # (unused without sinks)
-        *score_scales(scale, softcap),
+        *fp8_scales(cache, scale, softcap, kv_scales),
         q.stride(0),
         q.stride(1),
         *cache.stride()[:4],
