@@ -88,9 +88,11 @@ def test_a_token_the_grammar_refuses_fails_that_request_only(
     assert params.structured_outputs is not None
     for request_id in ("r", "o"):  # as the engine does when a request arrives
         matchers.start(request_id, compiler.matcher(params.structured_outputs))
-    row = SimpleNamespace(request_id="r", params=params, output_token_ids=[])
-    other = SimpleNamespace(request_id="o", params=params, output_token_ids=[])
-    free = SimpleNamespace(request_id="f", params=SamplingParams(), output_token_ids=[])
+    row = SimpleNamespace(request_id="r", params=params, output_token_ids=[], spec_token_ids=[])
+    other = SimpleNamespace(request_id="o", params=params, output_token_ids=[], spec_token_ids=[])
+    free = SimpleNamespace(
+        request_id="f", params=SamplingParams(), output_token_ids=[], spec_token_ids=[]
+    )
     masks = matchers.fill([free, row])
     assert masks is not None and masks.bitmask.shape == (2, 12) and not masks.failed
     assert masks.bitmask[0].eq(-1).all() and not masks.bitmask[1].eq(-1).all()
@@ -103,4 +105,48 @@ def test_a_token_the_grammar_refuses_fails_that_request_only(
     # every constrained row failed: nothing to fill
     masks = matchers.fill([row])
     assert masks is not None and list(masks.failed) == ["r"]
+    matchers.close()
+
+
+def test_a_drafting_request_gets_a_mask_per_verified_position(
+    checkpoints: dict[str, Path],
+) -> None:
+    """Speculation: one mask row per draft position, each the grammar's after the drafts before
+    it (a fresh matcher fed them is the oracle); no mask after a draft the grammar refuses;
+    the request's matcher is left where it was."""
+    from pagedllm.structured.grammar import GrammarCompiler
+    from pagedllm.structured.matchers import GrammarMatchers
+    from pagedllm.text import Tokenizer
+
+    tok = Tokenizer.from_model_dir(checkpoints["llama"])
+    compiler = GrammarCompiler(tok.to_json(), 384, [1])
+    matchers = GrammarMatchers(compiler, [1])
+    params = SamplingParams(structured_outputs={"regex": "(cat|dog)( (cat|dog))*"})
+    spec = params.structured_outputs
+    assert spec is not None
+    matchers.start("r", compiler.matcher(spec))
+    good = tok.encode("cat dog cat", add_special_tokens=False)
+    bad = tok.encode(" fox", add_special_tokens=False)
+    free = SimpleNamespace(request_id="f", params=SamplingParams(), output_token_ids=[])
+    free.spec_token_ids = [5, 6]
+    row = SimpleNamespace(request_id="r", params=params, output_token_ids=good[:1])
+    row.spec_token_ids = [*good[1:], *bad]
+    masks = matchers.fill([free, row])
+    assert masks is not None and not masks.failed
+    assert masks.bitmask.shape == (3 + len(row.spec_token_ids) + 1, 12)
+    assert masks.bitmask[:3].eq(-1).all()  # the free request's rows
+    at = 3
+    for j in range(len(good)):  # rows 0 .. len(good) - 1 of the request: all in the grammar
+        oracle = compiler.matcher(spec)
+        assert oracle.consume_tokens(good[: j + 1])
+        want = torch.zeros(12, dtype=torch.int32)
+        oracle.unsafe_compute_mask_ptr(want.data_ptr(), 48)
+        assert torch.equal(masks.bitmask[at + j], want), j
+        assert not want.eq(-1).all()
+    # the first bad draft is refused by the row before it: no mask after it
+    assert masks.bitmask[at + len(good) :].eq(-1).all()
+    # rolled back: without drafts, the request's one row is its first row above
+    row.spec_token_ids = []
+    again = matchers.fill([row])
+    assert again is not None and torch.equal(again.bitmask[0], masks.bitmask[at])
     matchers.close()

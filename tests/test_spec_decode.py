@@ -134,7 +134,7 @@ def test_greedy_identical_on_scheduler_paths(checkpoints: dict[str, Path], engin
 
 def test_greedy_identical_with_stops_and_sampling_features(checkpoints: dict[str, Path]) -> None:
     """Every way a request ends or is steered, inside runs of accepted drafts, in one batch
-    with requests that do not speculate (structured outputs) and with n > 1."""
+    with structured outputs (drafting under their grammar) and with n > 1."""
     path = checkpoints["llama"]
     prompts = PROMPTS[:8]
     base_out, _ = generate(
@@ -180,6 +180,42 @@ def test_greedy_identical_with_stops_and_sampling_features(checkpoints: dict[str
     stopped = [o.outputs[0] for o in spec if o.outputs[0].stop_reason is not None]
     assert any(isinstance(c.stop_reason, str) for c in stopped)
     assert any(isinstance(c.stop_reason, int) for c in stopped)
+
+
+WORDS = ["cat", "dog", "mat"]
+STRUCTURED: list[dict[str, Any]] = [
+    {"regex": "(cat|dog|mat)( (cat|dog|mat)){15}"},
+    {"json": {"type": "array", "items": {"enum": WORDS}, "minItems": 12, "maxItems": 12}},
+    {
+        "json": {
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 40}},
+            "required": ["a"],
+        }
+    },
+]
+
+
+def test_structured_outputs_draft_and_stay_identical(checkpoints: dict[str, Path]) -> None:
+    """Regex and JSON-schema requests whose prompts (and answers) repeat a phrase: drafted,
+    verified under the grammar's mask at every position, and the greedy output is the same as
+    without speculation (each still valid under its grammar)."""
+    path = checkpoints["llama"]
+    rng = random.Random(3)
+    prompts: list[Any] = []
+    cases: list[SamplingParams] = []
+    for i in range(6):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 4)))
+        prompts.append(f"{words} {words} {words} {words}")
+        cases.append(
+            SamplingParams(
+                temperature=0, max_tokens=40, structured_outputs=STRUCTURED[i % len(STRUCTURED)]
+            )
+        )
+    base, _ = generate(path, prompts, cases, None)
+    spec, llm = generate(path, prompts, cases, NGRAM)
+    assert_same(base, spec)
+    assert accepted(llm) > 10  # the constrained requests drafted, and drafts were kept
 
 
 def test_sampling_matches_the_target_distribution(checkpoints: dict[str, Path]) -> None:

@@ -73,7 +73,7 @@ class SpecDecoder:
         """Draft tokens for a running request whose next step is one decode token, at most
         `budget` of them; [] when it should not speculate."""
         cfg, params, kv = self.config, request.sampling_params, scheduler.kv
-        if scheduler.num_running > cfg.max_batch_size or params.structured_outputs is not None:
+        if scheduler.num_running > cfg.max_batch_size:
             return []
         state = self._acceptance.setdefault(request, _Acceptance())
         if state.skip > 0:

@@ -191,7 +191,7 @@ class LLMEngine:
             compiler = GrammarCompiler(
                 self.tokenizer.to_json(), mcfg.vocab_size, list(mcfg.eos_token_ids)
             )
-            self.runner.grammars = GrammarMatchers(compiler)
+            self.runner.grammars = GrammarMatchers(compiler, mcfg.eos_token_ids)
         return self.runner.grammars.compiler
 
     def _encode_word(self, text: str) -> list[int]:

@@ -5,10 +5,17 @@ A matcher is synced lazily with its request's output tokens when the next mask i
 it consumes the tokens it has not seen yet. So whatever the scheduler did with the previous
 step (applied it, preempted the request to recompute it, rolled it back after a fault), the
 matcher matches the tokens the request really has; nothing has to undo a consumed token.
+
+A speculating request (`spec_token_ids`, docs/speculative.md) gets one mask row per verified
+position: its matcher consumes the drafts one at a time, a mask filled after each, then rolls
+them all back (the next sync consumes those that were accepted). A draft the grammar refuses
+is never accepted (the row before it is masked), so the rows after it get no mask: their
+samples are never used. Nor do the rows after a draft EOS, which ends a constrained request.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,11 +57,14 @@ class MaskRow(Protocol):
     def params(self) -> _Params: ...
     @property
     def output_token_ids(self) -> Sequence[int]: ...
+    @property
+    def spec_token_ids(self) -> Sequence[int]: ...
 
 
 class GrammarMatchers:
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, eos_token_ids: Sequence[int] = ()) -> None:
         self.compiler = compiler
+        self.eos = frozenset(eos_token_ids)
         self.words = (compiler.vocab_size + 31) // 32
         self._states: dict[str, _State] = {}
         self._executor = llguidance.LLExecutor()
@@ -76,30 +86,50 @@ class GrammarMatchers:
 
     def fill(self, rows: Sequence[MaskRow]) -> Masks | None:
         """The bitmask of the tokens each row may sample next (all bits set on unconstrained
-        rows), and the requests whose grammar failed (their tokens left it, or it went past
-        the grammar engine's limits): they cannot go on. None when no row is constrained."""
+        rows), one row per request and per draft token (the runner's sampled rows), and the
+        requests whose grammar failed (their tokens left it, or it went past the grammar
+        engine's limits): they cannot go on. None when no row is constrained."""
+        starts = list(itertools.accumulate((1 + len(r.spec_token_ids) for r in rows), initial=0))
         todo = [(i, r) for i, r in enumerate(rows) if r.params.structured_outputs is not None]
         if not todo:
             return None
         pin = torch.cuda.is_available()  # copied to the GPU without a sync
-        masks = Masks(torch.full((len(rows), self.words), -1, dtype=torch.int32, pin_memory=pin))
-        pairs = []
+        masks = Masks(torch.full((starts[-1], self.words), -1, dtype=torch.int32, pin_memory=pin))
+        pairs, synced = [], []
         for i, row in todo:
             matcher = self._sync(row)
             if isinstance(matcher, str):
                 masks.failed[row.request_id] = matcher
             else:
-                pairs.append((matcher, i))
+                pairs.append((matcher, starts[i]))
+                synced.append((matcher, row, starts[i]))
         # NOTE: not `llguidance.torch`, whose import pulls torch.compile's inductor (seconds)
         bitmask = masks.bitmask
         if pairs:
             self._executor.unsafe_compute_mask_ptr(
-                pairs, bitmask.data_ptr(), self.words * 4, len(rows)
+                pairs, bitmask.data_ptr(), self.words * 4, starts[-1]
             )
-        for matcher, i in pairs:
+        for matcher, row, at in synced:
+            self._fill_drafts(matcher, row.spec_token_ids, bitmask, at)
             if matcher.is_error():
-                masks.failed[rows[i].request_id] = _failure(matcher)
+                masks.failed[row.request_id] = _failure(matcher)
         return masks
+
+    def _fill_drafts(
+        self, matcher: llguidance.LLMatcher, drafts: Sequence[int], bitmask: torch.Tensor, at: int
+    ) -> None:
+        """The mask rows after row `at` of a speculating request: the matcher after each
+        draft, up to the first the grammar refuses or an EOS; then it is rolled back."""
+        if not drafts or matcher.is_error():
+            return
+        valid = list(drafts[: matcher.validate_tokens(list(drafts))])
+        valid = list(itertools.takewhile(lambda t: t not in self.eos, valid))
+        row_bytes = self.words * 4
+        for j, token in enumerate(valid, start=1):
+            matcher.consume_token(token)
+            matcher.unsafe_compute_mask_ptr(bitmask[at + j].data_ptr(), row_bytes)
+        if valid:
+            matcher.rollback(len(valid))
 
     def _sync(self, row: MaskRow) -> llguidance.LLMatcher | str:
         """The row's matcher, fed the output tokens it has not seen; or why it failed."""

@@ -180,8 +180,6 @@ class ModelRunner(ShardExecutor):
             for b, outputs in verify
         ]
         if masks is not None:  # before the sampler: log-probs are of the masked logits
-            if len(rows) > len(batch):  # (constrained requests do not draft)
-                masks.bitmask = masks.bitmask[[b for b, _ in verify]]
             self._constrain(logits, rows, masks)
             out.failed.update(masks.failed)
         meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
