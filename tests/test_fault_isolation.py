@@ -147,7 +147,7 @@ def test_offline_llm_reports_the_failed_request(checkpoints: dict[str, Path]) ->
     llm = LLM(str(checkpoints["llama"]), dtype="float32", block_size=8)
     prompts = [{"prompt_token_ids": prompt(9, 20)}, {"prompt_token_ids": FAULTY}]
     expected = llm.generate(prompts[:1], params(), use_tqdm=False)
-    llm.engine = LLMEngine(llm.engine.config, fault_injection=FaultInjection(fail_on_token=X))
+    llm._engine = LLMEngine(llm.engine.config, fault_injection=FaultInjection(fail_on_token=X))
     good, bad = llm.generate(prompts, params(), use_tqdm=False)
     assert tokens(good) == tokens(expected[0])
     assert bad.outputs[0].finish_reason == "abort"
