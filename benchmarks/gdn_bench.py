@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gemv_bench import median_ms  # benchmarks/ is the script's directory
 
 from pagedllm.layers import gated_delta as gd
 from pagedllm.layers.attention import cpu_kernels
 
 SHAPE = gd.GdnShape(key_heads=16, value_heads=16, key_dim=128, value_dim=128, conv_kernel=4)
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def _inputs(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -57,11 +45,11 @@ def decode(batch: int, dtype: torch.dtype, repeats: int) -> dict:
 
     def rule(kernel: bool) -> float:
         args = (q, k, v, g, beta, state.ssm, idx, init, True)
-        return _median_ms(lambda: gd._recurrent_step(*args, kernel=kernel), repeats)
+        return median_ms([lambda: gd._recurrent_step(*args, kernel=kernel)], repeats)[0]
 
     def conv(kernel: bool) -> float:
         args = (mixed, weight, None, state.conv, idx, init, "silu")
-        return _median_ms(lambda: gd._conv_update(*args, kernel=kernel), repeats)
+        return median_ms([lambda: gd._conv_update(*args, kernel=kernel)], repeats)[0]
 
     torch_ms = rule(False)
     result = {"requests": batch, "rule_torch_ms": torch_ms, "conv_torch_ms": conv(False)}
@@ -83,7 +71,7 @@ def prefill(tokens: int, dtype: torch.dtype, repeats: int) -> dict:
         q, k, v = SHAPE.split(gd.causal_conv1d(mixed, weight, None, state.conv, meta))
         return gd.gated_delta_rule(q, k, v, g, beta, state.ssm, meta)
 
-    ms = _median_ms(step, max(3, repeats // 4))
+    ms = median_ms([step], max(3, repeats // 4))[0]
     return {"tokens": tokens, "ms": ms, "tokens_per_s": tokens / ms * 1e3}
 
 

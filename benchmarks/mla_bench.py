@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from gemv_bench import median_ms  # benchmarks/ is the script's directory
 
 from pagedllm.mla_config import MlaConfig
 from pagedllm.model.mla import MlaWeights, attend_expanded, decode_absorbed
@@ -37,17 +36,6 @@ def _weights(heads: int, dtype: torch.dtype) -> MlaWeights:
         None, None, None, empty, empty, None, empty,
         kv_b[:, : m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim :],
     )  # fmt: skip
-
-
-def _median_ms(fn: object, repeats: int) -> float:
-    assert callable(fn)
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def run(batch: int, context: int, heads: int, dtype: torch.dtype, repeats: int) -> dict:
@@ -71,7 +59,7 @@ def run(batch: int, context: int, heads: int, dtype: torch.dtype, repeats: int) 
         )
 
     diff = (absorbed().float() - expanded().float()).abs().max().item()
-    a, e = _median_ms(absorbed, repeats), _median_ms(expanded, repeats)
+    a, e = median_ms([absorbed, expanded], repeats)
     return dict(
         batch=batch,
         context=context,
