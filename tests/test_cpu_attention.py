@@ -278,9 +278,10 @@ def compare_backends(
     head_dim: int = 64,
     kv_heads: int = 2,
     quantized: bool = False,
-) -> None:
+) -> object:
     """The cpu backend against the reference one, on `layer` (default: head_dim ** -0.5, no
-    window, no soft-cap); `quantized`: over an int8 cache (kv_cache_dtype.py)."""
+    window, no soft-cap); `quantized`: over an int8 cache (kv_cache_dtype.py). Returns the cpu
+    backend's metadata of the step."""
     block_size, heads = 8, 3 * kv_heads
     layer = layer or AttnLayer(head_dim**-0.5)
     step, num_blocks = make_step(requests, block_size)
@@ -300,6 +301,7 @@ def compare_backends(
     assert torch.equal(caches[0], caches[1])
     assert outs[1].shape == (n, heads, head_dim) and outs[1].dtype == dtype
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=ATOL[dtype], rtol=0)
+    return meta
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

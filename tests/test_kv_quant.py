@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cpu_attention import ATOL, compare_backends, num_threads, plain_attention, random_tables
+from test_cpu_attention import (
+    ATOL,
+    compare_backends,
+    num_threads,
+    plain_attention,
+    random_tables,
+)
 
 from conftest import hf_model, random_prompts
 from pagedllm import LLM, SamplingParams
@@ -104,6 +110,27 @@ def test_cpu_backend_int8_matches_reference(dtype: torch.dtype, window: int | No
     against the reference backend: the same cache bytes, the same outputs up to rounding."""
     layer = AttnLayer(0.5, window, 3.0)  # soft-capped: scores ~4 sigma wide, a cap of 3
     compare_backends([(0, 1), (8, 1), (20, 1), (11, 9), (0, 5)], dtype, layer, quantized=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "requests",
+    [[(0, 37)], [(45, 20), (16, 16)], [(3, 1), (70, 1), (40, 17), (0, 9)]],
+    ids=["first-chunk", "after-prefixes", "mixed"],
+)
+def test_cpu_backend_int8_prefill_runs_on_the_kernel(
+    requests: list[tuple[int, int]], threads: int
+) -> None:
+    """Prefill chunks over an int8 cache, a first one, ones after a cached prefix (an earlier
+    chunk, or a prefix-cache hit: the same blocks) and beside decodes, with attention sinks:
+    the C++ kernel, each token attending its causal context, against the reference backend;
+    the reference path's metadata is never built."""
+    sinks = torch.linspace(-1.0, 2.0, 6)
+    with num_threads(threads):
+        meta = compare_backends(
+            requests, torch.float32, AttnLayer(0.3, sinks=sinks), quantized=True
+        )
+    assert "ref" not in vars(meta)
 
 
 def test_pool_holds_more_tokens_in_the_same_memory(tmp_path: Path) -> None:
