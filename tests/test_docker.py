@@ -343,6 +343,7 @@ def test_empty_env_var_keeps_the_config_pbtxt_value(service: Yaml) -> None:
         "tensor_parallel_size": 1,
         "stream_interval": 3,
         "kv_cache_dtype": "auto",
+        "calculate_kv_scales": False,
         "speculative_config": "",
         "lora": None,
     }

@@ -110,3 +110,20 @@ def test_estimated_scales_are_the_first_batchs_amax(
         expected = (k.abs().amax().item() / top, v.abs().amax().item() / top)
         rel = 1e-4 if i == 0 else 0.05
         assert (w.attn.k_scale, w.attn.v_scale) == pytest.approx(expected, rel=rel), i
+
+
+def test_llm_engine_parameter_and_environment(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm_engine's `calculate_kv_scales` parameter, and PAGEDLLM_CALCULATE_KV_SCALES (what
+    `pagedllm serve --calculate-kv-scales` sets) over it; unset: false."""
+    from pagedllm.serving.settings import engine_config
+
+    params = {"model_dir": str(checkpoints["llama"]), "kv_cache_dtype": "fp8"}
+    assert not engine_config(params, "cpu").cache.calculate_kv_scales
+    on = engine_config({**params, "calculate_kv_scales": "true"}, "cpu")
+    assert on.cache.calculate_kv_scales and on.cache.cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        engine_config({**params, "calculate_kv_scales": "maybe"}, "cpu")
+    monkeypatch.setenv("PAGEDLLM_CALCULATE_KV_SCALES", "true")
+    assert engine_config(params, "cpu").cache.calculate_kv_scales

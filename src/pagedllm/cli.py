@@ -199,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: llm_engine's config, auto)",
     )
     s.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="an fp8 cache whose checkpoint has no k_scale / v_scale: estimate them from the "
+        "first forward, vLLM's calculate_kv_scales (docs/kv_cache.md); sets "
+        "PAGEDLLM_CALCULATE_KV_SCALES (default: llm_engine's config, false)",
+    )
+    s.add_argument(
         "--speculative-config",
         type=_speculative,
         default=None,
@@ -265,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             env["PAGEDLLM_TENSOR_PARALLEL_SIZE"] = str(args.tensor_parallel_size)
         if args.kv_cache_dtype is not None:
             env["PAGEDLLM_KV_CACHE_DTYPE"] = args.kv_cache_dtype
+        if args.calculate_kv_scales:
+            env["PAGEDLLM_CALCULATE_KV_SCALES"] = "true"
         if args.stream_interval is not None:
             if args.stream_interval < 1:
                 ap.error("--stream-interval must be >= 1")

@@ -147,6 +147,7 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         max_model_len=int(get("max_model_len", "0")) or None,  # 0: the model's context
         kv_cache_memory=int(float(get("kv_cache_memory_gib", "2")) * (1 << 30)),
         kv_cache_dtype=get("kv_cache_dtype", "auto"),
+        calculate_kv_scales=to_bool("calculate_kv_scales", get("calculate_kv_scales", "false")),
         enable_prefix_caching=to_bool(
             "enable_prefix_caching", get("enable_prefix_caching", "true")
         ),
