@@ -24,6 +24,7 @@ from pagedllm.config import ModelConfig, RopeConfig
 from pagedllm.layers import quant
 from pagedllm.layers.attention import StepInputs, cpu_kernels
 from pagedllm.layers.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.lora.ops import LoraStep
 from pagedllm.model import decoder_kernel
 from pagedllm.model.decoder import CausalLM, ForwardContext
 from pagedllm.model.rope import rotary_table
@@ -40,9 +41,12 @@ FORMATS = {  # name -> LLM keyword arguments
 }
 
 
-def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def _generate(
+    llm: LLM, prompts: list[list[int]], lora_request: Any = None
+) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    inputs: Any = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_request)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -243,9 +247,12 @@ def switch_off(model: CausalLM, fields: dict[str, Any], weights: tuple[str, ...]
 
 
 @torch.inference_mode()
-def decode_steps(model: CausalLM, steps: int = 3) -> list[torch.Tensor]:
+def decode_steps(
+    model: CausalLM, steps: int = 3, lora: LoraStep | None = None
+) -> list[torch.Tensor]:
     """The logits of `steps` decode steps of three requests over random cached contexts (3, 9
-    and 17 tokens: some past the window of 4, several blocks of 4), then the KV caches."""
+    and 17 tokens: some past the window of 4, several blocks of 4), then the KV caches; `lora`:
+    the three tokens' adapters (tests/test_lora_one_call.py)."""
     cfg, dtype = model.config, model.norm.weight.dtype
     gen = torch.Generator().manual_seed(0)
     lens, block_size, per_request = [3, 9, 17], 4, 6
@@ -273,7 +280,7 @@ def decode_steps(model: CausalLM, steps: int = 3) -> list[torch.Tensor]:
             block_size=block_size,
         )
         rotations = tuple(table[positions].unsqueeze(1) for table in rotary)
-        ctx = ForwardContext(rotations, caches, backend, backend.build_metadata(step))
+        ctx = ForwardContext(rotations, caches, backend, backend.build_metadata(step), lora)
         logits.append(model(step.input_ids, ctx, step.logits_indices))
     return logits + caches
 

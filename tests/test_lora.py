@@ -14,10 +14,13 @@ from typing import Any
 import pytest
 import torch
 from lora_adapters import ADAPTERS, chosen_logprobs, peft_model, save_adapter
+from test_decode_layers import _generate as one_call_generate
 
 from conftest import TINY, hf_greedy, make_checkpoint, random_prompts
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.engine.service import EngineService
+from pagedllm.layers import quant
+from pagedllm.layers.attention import cpu_kernels
 from pagedllm.lora.ops import LoraStep, lora_grouped, lora_reference
 
 MAX_NEW = 16
@@ -47,9 +50,11 @@ def oracles(base: Path, adapters: dict[str, LoRARequest]) -> dict[str | None, An
     return models
 
 
-def expected(oracles: dict, prompts: list[list[int]], names: list[str | None]) -> list[list[int]]:
+def expected(
+    oracles: dict, prompts: list[list[int]], names: list[str | None], max_new: int = MAX_NEW
+) -> list[list[int]]:
     return [
-        hf_greedy(oracles[n], [p], MAX_NEW, eos=None)[0]
+        hf_greedy(oracles[n], [p], max_new, eos=None)[0]
         for p, n in zip(prompts, names, strict=True)
     ]
 
@@ -181,6 +186,35 @@ def test_two_ranks(base: Path, adapters: dict, oracles: dict) -> None:
     ) as llm:
         got = [o.outputs[0].token_ids for o in generate(llm, prompts, loras)]
     assert got == expected(oracles, prompts, names)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_decode(
+    base: Path, adapters: dict, oracles: dict, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps with adapters run the layers in csrc/decoder.cpp's one call (every row
+    count): PEFT's tokens (fp32), and the same tokens and log-probs as op by op."""
+    monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", dict.fromkeys(quant.KERNEL_MAX_ROWS))
+    module = cpu_kernels.kernel_module()
+    real, with_lora = module.decode_layers, list[bool]()
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        with_lora.append(bool(args[-2]))  # given a LoRA
+        return real(x, *args)
+
+    monkeypatch.setattr(module, "decode_layers", counted)
+    names, loras = mixed(adapters, 6)
+    prompts = random_prompts(6, (3, 30), TINY["vocab_size"], seed=10)
+    knobs: dict[str, Any] = dict(max_num_seqs=4, enable_prefix_caching=False, dtype=dtype)
+    llm = LLM(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **knobs)
+    fused = one_call_generate(llm, prompts, loras)
+    assert any(with_lora), "no step with an adapter went through decode_layers"
+    llm.engine.runner.model._kernel_weights = []
+    with_lora.clear()
+    assert one_call_generate(llm, prompts, loras) == fused and not with_lora
+    if dtype == "float32":
+        want = expected(oracles, prompts, names, max_new=20)  # one_call_generate's 20 tokens
+        assert [tokens for tokens, _ in fused] == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

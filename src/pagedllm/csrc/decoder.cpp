@@ -5,7 +5,9 @@
 // to Python between ops (at batch 1 the ~10 ops of 30 layers cost as much in Python as the
 // attention itself). Every family but latent attention (model/decoder.py, model/moe_block.py):
 // the same kernels (or ATen ops) as its op-by-op path, in the same order, so the results are
-// the same bits (torch.topk's own tie order included).
+// the same bits (torch.topk's own tie order included). A step's LoRA adapters too: after each
+// adapted linear, its tokens' deltas by lora.cpp's lora_bgmv, as lora/ops.py's LoraStep adds
+// them op by op.
 
 namespace {
 
@@ -56,6 +58,27 @@ torch::Tensor apply(const torch::Tensor* w, const torch::Tensor& x) {
   }
   if (!out) refused("a linear layer");
   return *out;
+}
+
+// The LoRA modules of a layer in the step's `lora` (lora/ops.py's MODULES): (A, B) each.
+enum LoraModule : int64_t { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown, kLoraPerLayer };
+
+// A step's LoRA (lora/ops.py's LoraStep): per layer, (A, B) of each LoraModule (A (slots, R, in),
+// B (slots, out, R); empty where no adapter of the step adapts the module), and each token's
+// slot (-1: the base model); `ab` null: no adapter in the step.
+struct Lora {
+  const torch::Tensor* ab;
+  const torch::Tensor& slots;
+};
+
+// out (D, out) += the deltas of `module` of layer `layer` for x (D, in), in place: lora.cpp's
+// BGMV over every token, as LoraStep.add runs it op by op after the same linear.
+void add_lora(const Lora& lora, int64_t layer, LoraModule module, torch::Tensor& out,
+              const torch::Tensor& x) {
+  if (lora.ab == nullptr) return;
+  const torch::Tensor* ab = lora.ab + (layer * kLoraPerLayer + module) * 2;
+  if (!present(ab[0])) return;
+  if (!lora_bgmv(out, x, ab[0], ab[1], lora.slots)) refused("lora_bgmv");
 }
 
 torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -183,15 +206,19 @@ struct Step {
   const torch::Tensor &slot_mapping, &block_tables, &context_lens;
   double eps, scale, softcap;
   int64_t heads, kv_heads;
+  Lora lora;
 };
 
 // `_attention` of model/decoder.py on x (D, hidden) with the CPU backend's decode: the
 // attention output before o (D, heads * head_dim).
 torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tensor& x,
-                        const torch::Tensor& cache, std::optional<int64_t> rope, int64_t window) {
+                        const torch::Tensor& cache, std::optional<int64_t> rope, int64_t window,
+                        int64_t layer) {
   const int64_t d = x.size(0), heads = s.heads, kv_heads = s.kv_heads;
+  torch::Tensor qkv = apply(w + kQkv, x);
+  add_lora(s.lora, layer, kLoraQkv, qkv, x);
   // (D, heads + 2 * kv_heads, head_dim): q heads, then k heads, then v heads
-  torch::Tensor qkv = apply(w + kQkv, x).view({d, heads + 2 * kv_heads, -1});
+  qkv = qkv.view({d, heads + 2 * kv_heads, -1});
   const int64_t head_dim = qkv.size(2);
   if (present(w[kQNorm]) && present(w[kKNorm])) {
     norm_heads(qkv, 0, heads, w[kQNorm], s.eps);
@@ -216,8 +243,9 @@ torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tens
 // its sliding window (None: global) and the index of its rope in `rotary` (None: NoPE);
 // slot_mapping (D,), block_tables (>= D, max_blocks), context_lens (D,): int64, as for write_kv
 // and paged_decode_attention; softcap 0: none; moe_router ... limit: the mixture of experts'
-// settings (MoeStep; moe_router empty where the model has none). Returns the last layer's
-// output after the final norm.
+// settings (MoeStep; moe_router empty where the model has none); lora: a step's LoRA, per layer
+// kLoraPerLayer (A, B) pairs (Lora; empty: no adapter in the step), lora_slots (D,) int64 each
+// token's slot. Returns the last layer's output after the final norm.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> rotary,
                             std::vector<std::optional<int64_t>> windows,
@@ -227,7 +255,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             int64_t heads, int64_t kv_heads, std::string activation,
                             std::string moe_router, int64_t top_k, bool norm_topk_prob,
                             bool weights_in_model_dtype, std::string expert_activation,
-                            double limit) {
+                            double limit, std::vector<torch::Tensor> lora,
+                            torch::Tensor lora_slots) {
   ReleaseGil no_gil;  // the whole step: other Python threads run meanwhile
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
@@ -239,18 +268,29 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   const Activation act = parse_activation(activation);
   const MoeStep moe{moe_router, top_k, norm_topk_prob, weights_in_model_dtype, expert_activation,
                     limit};
+  TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == layers * kLoraPerLayer * 2,
+              "decode_layers: ", static_cast<int64_t>(kLoraPerLayer * 2), " LoRA tensors per layer");
   const Step step{rotary, slot_mapping, block_tables, context_lens, eps, scale, softcap,
-                  heads, kv_heads};
+                  heads, kv_heads, Lora{lora.empty() ? nullptr : lora.data(), lora_slots}};
   const torch::Tensor none;
   torch::Tensor residual;
   const torch::Tensor* post = &none;  // the norm the pending output takes before it joins
   for (int64_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kPerLayer;
     x = join(x, residual, *post, w[kLn1], eps);
-    x = apply(w + kO, attention(step, w, x, kv_caches[i], ropes[i], windows[i].value_or(0)));
+    const auto o_in = attention(step, w, x, kv_caches[i], ropes[i], windows[i].value_or(0), i);
+    x = apply(w + kO, o_in);
+    add_lora(step.lora, i, kLoraO, x, o_in);
     x = join(x, residual, w[kPost1], w[kLn2], eps);
-    x = present(w[kRouter]) ? moe_block(w, x, moe, act)
-                            : apply(w + kDown, act_and_mul(apply(w + kGateUp, x), act));
+    if (present(w[kRouter])) {
+      x = moe_block(w, x, moe, act);  // an MoE layer's MLP takes no adapter
+    } else {
+      auto gate_up = apply(w + kGateUp, x);
+      add_lora(step.lora, i, kLoraGateUp, gate_up, x);
+      const auto down_in = act_and_mul(gate_up, act);
+      x = apply(w + kDown, down_in);
+      add_lora(step.lora, i, kLoraDown, x, down_in);
+    }
     post = &w[kPost2];
   }
   return join(x, residual, *post, final_norm, eps);

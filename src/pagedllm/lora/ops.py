@@ -21,6 +21,8 @@ import torch
 from pagedllm.layers.attention import cpu_kernels
 
 Rows = slice | torch.Tensor
+# a layer's modules, in csrc/decoder.cpp's LoraModule order
+MODULES = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,26 @@ class LoraStep:
         slots = torch.tensor(token_slots, dtype=torch.int64, device=device)
         kernel = cpu_kernels.kernel_module() if device.type == "cpu" else None
         return LoraStep(weights, groups, skip, slots, kernel)
+
+    def kernel_args(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """The step as csrc/decoder.cpp's `decode_layers` takes it: per layer, (A, B) of each
+        of MODULES (empty tensors for a module skipped, or absent: an MoE layer's MLP), and the
+        tokens' slots; None where its lora_bgmv would refuse them (not the CPU's extension,
+        weights of another dtype): the layers then run op by op."""
+        if self.kernel is None:
+            return None
+        none = torch.empty(0, dtype=dtype)
+        flat: list[torch.Tensor] = []
+        for layer in self.weights:
+            for module in MODULES:
+                pair = None if module in self.skip else layer.get(module)
+                if pair is None:
+                    flat += (none, none)
+                elif all(t.dtype == dtype and t.is_contiguous() for t in pair):
+                    flat += pair
+                else:
+                    return None
+        return flat, self.token_slots
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out (N, out) += the deltas of `module` of `layer` for x (N, in), in place."""

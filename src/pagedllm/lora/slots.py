@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.lora.adapter import PROJECTIONS, LoraAdapter, LoRAError, load_adapter
-from pagedllm.lora.ops import LoraStep
+from pagedllm.lora.ops import MODULES, LoraStep
 from pagedllm.lora.request import LoRAConfig, LoRARequest
 from pagedllm.model_config import ModelConfig
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from pagedllm.core.scheduler import ScheduledRequest
     from pagedllm.distributed.shard import ShardPlan
 
-MODULES = ("qkv", "o", "gate_up", "down")
 # our parameter of each module (ShardPlan.slice_of names)
 _PARAMS = {
     "qkv": "self_attn.qkv_proj",

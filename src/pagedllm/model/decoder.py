@@ -243,10 +243,11 @@ class CausalLM(nn.Module):
         """(N,) token ids -> (S, vocab) fp32 logits of the tokens at `logits_indices` only."""
         cfg = self.config
         x = self._scaled_embed(input_ids)
-        fused = self._kernel_weights and ctx.lora is None  # csrc/decoder.cpp has no LoRA
+        lora = decoder_kernel.lora_args(ctx.lora, x.dtype)  # None: adapters run op by op
+        fused = self._kernel_weights and lora is not None
         decodes = ctx.backend.decode_batch(ctx.attn_metadata) if fused else None
-        if decodes is not None and x.shape[0] <= self._kernel_rows:
-            x = self._decode_layers(x, ctx, decodes)
+        if decodes is not None and lora is not None and x.shape[0] <= self._kernel_rows:
+            x = self._decode_layers(x, ctx, decodes, lora)
         else:
             x = self._layers(x, ctx)
         logits = linear(x[logits_indices], self._io[1]).float()
@@ -346,9 +347,11 @@ class CausalLM(nn.Module):
         normed = flat.float() * torch.rsqrt(squares / size + eps)
         return (normed * weight.float()).to(t.dtype).view(t.shape)
 
-    def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext, b: DecodeBatch) -> torch.Tensor:
+    def _decode_layers(
+        self, x: torch.Tensor, ctx: ForwardContext, b: DecodeBatch, lora: tuple[Any, Any]
+    ) -> torch.Tensor:
         """The layers and the final norm of a step of decodes, in one C++ call: the same
-        kernels in the same order as the op-by-op loop (csrc/decoder.cpp)."""
+        kernels in the same order as the op-by-op loop (csrc/decoder.cpp), LoRA included."""
         cfg = self.config
         module = cpu_kernels.kernel_module()
         assert module is not None
@@ -370,6 +373,7 @@ class CausalLM(nn.Module):
             cfg.num_kv_heads,
             cfg.activation,
             *decoder_kernel.moe_args(cfg.moe),
+            *lora,
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The decoder's layers as csrc/decoder.cpp's `decode_layers` takes them: every layer's
 tensors flattened in its `Slot` order, for the whole decode step in one C++ call (a mixture of
-experts included: its router, routing, fused experts and shared expert)."""
+experts included: its router, routing, fused experts and shared expert; a step's LoRA
+adapters too)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pagedllm.layers.quant import QuantizedWeight, Weight, kernel_rows
 from pagedllm.moe_config import MoeConfig
 
 if TYPE_CHECKING:
+    from pagedllm.lora.ops import LoraStep
     from pagedllm.model.decoder import CausalLM, LayerWeights
     from pagedllm.model.moe_block import MoeWeights
 
@@ -44,6 +46,17 @@ def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
         flat += layer[0]
         rows = min(rows, layer[1])
     return flat, rows
+
+
+def lora_args(
+    lora: LoraStep | None, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """`decode_layers`' LoRA (its Lora: empty without an adapter in the step); None where it
+    cannot add the step's deltas (LoraStep.kernel_args), and the layers run op by op. (Tensor
+    parallelism, which shards the adapters, runs op by op anyway: `flatten`.)"""
+    if lora is None:
+        return [], torch.empty(0, dtype=torch.int64)
+    return lora.kernel_args(dtype)
 
 
 def moe_args(moe: MoeConfig | None) -> tuple[str, int, bool, bool, str, float]:

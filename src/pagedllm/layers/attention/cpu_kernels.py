@@ -82,9 +82,9 @@ _SOURCES = (
     "qgemv_packed.cpp",
     "qgemv.cpp",
     "moe.cpp",
+    "lora.cpp",  # before decoder.cpp, whose decode_layers adds a step's LoRA deltas by it
     "decoder.cpp",
     "gated_delta.cpp",
-    "lora.cpp",
 )
 # the functions the extension exports (part of its name: a build never lacks one)
 _FUNCTIONS = (

@@ -1,0 +1,117 @@
+"""A step's LoRA adapters on the one-call decode path: csrc/decoder.cpp's `decode_layers` adds
+each adapted linear's deltas by lora.cpp's BGMV, after the same kernels in the same order as
+the op-by-op loop (lora/ops.py's LoraStep.add), so the same bits, fp32 and bf16, with the base
+model's token of the batch untouched. Token-exact with PEFT through the engine:
+tests/test_lora.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_decode_layers import FEATURES, decode_steps, same_bits, tiny_config, tiny_model
+
+from pagedllm.layers import quant
+from pagedllm.layers.attention import cpu_kernels
+from pagedllm.lora.ops import LoraStep
+from pagedllm.model.decoder import CausalLM
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.kernel_available(), reason="the CPU extension does not build here"
+)
+
+# decode_steps' three requests: the adapters in slots 2 and 0, and the base model
+TOKEN_SLOTS = [2, -1, 0]
+RANKS = (2, 8, 4)  # each slot's rank, in a pool of rank 8
+# which slots adapt which module: o only by slot 1, which the step lacks (skipped); down only
+# by slot 2
+ADAPTS = {
+    "qkv": [True, False, True],
+    "o": [False, True, False],
+    "gate_up": [True, True, False],
+    "down": [False, False, True],
+}
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, bool]]]:
+    """The kernels for every row count; each decode_layers call's rows and whether it was
+    given a LoRA."""
+    monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", dict.fromkeys(quant.KERNEL_MAX_ROWS))
+    module = cpu_kernels.kernel_module()
+    seen: list[tuple[int, bool]] = []
+    real = module.decode_layers
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((x.shape[0], bool(args[-2])))
+        return real(x, *args)
+
+    monkeypatch.setattr(module, "decode_layers", counted)
+    yield seen
+
+
+def random_lora(model: CausalLM, adapts: dict[str, list[bool]]) -> LoraStep:
+    """A pool of three slots of random adapters (ranks RANKS) in every layer and module, as
+    lora/slots.py lays it out: A (slots, R, in), B (slots, out, R), zero past a slot's rank."""
+    cfg, dtype = model.config, model.norm.weight.dtype
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    d, i, r = cfg.hidden_size, cfg.intermediate_size, max(RANKS)
+    shapes = {"qkv": (q + 2 * kv, d), "o": (d, q), "gate_up": (2 * i, d), "down": (d, i)}
+    gen = torch.Generator().manual_seed(1)
+    weights = []
+    for _ in range(cfg.num_layers):
+        layer = {}
+        for module, (out, inp) in shapes.items():
+            a = torch.randn(len(RANKS), r, inp, generator=gen) * 0.1
+            b = torch.randn(len(RANKS), out, r, generator=gen) * 0.1
+            for slot, rank in enumerate(RANKS):
+                a[slot, rank:], b[slot, :, rank:] = 0, 0
+            layer[module] = (a.to(dtype), b.to(dtype))
+        weights.append(layer)
+    return LoraStep.create(weights, TOKEN_SLOTS, adapts, torch.device("cpu"))
+
+
+def fused_and_op_by_op(
+    model: CausalLM, calls: list[tuple[int, bool]], lora: LoraStep | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    calls.clear()
+    fused = decode_steps(model, lora=lora)
+    assert calls == [(3, lora is not None)] * 3, "the steps did not go through decode_layers"
+    kernel_weights, model._kernel_weights = model._kernel_weights, []
+    op_by_op = decode_steps(model, lora=lora)
+    model._kernel_weights = kernel_weights
+    assert len(calls) == 3
+    return fused, op_by_op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("feature", ["llama", "gemma3_like", "olmo2_like"])
+def test_lora_one_call_equals_op_by_op(
+    feature: str, dtype: torch.dtype, calls: list[tuple[int, bool]]
+) -> None:
+    """Two adapters of different ranks and targets and the base model in one decode step
+    (a module no adapter of the step adapts skipped): the same bits — logits and KV caches —
+    as op by op; the adapters' tokens changed, the base model's not."""
+    model = tiny_model(tiny_config(**(FEATURES[feature][0] if feature in FEATURES else {})), dtype)
+    lora = random_lora(model, ADAPTS)
+    assert lora.skip == {"o"}
+    fused, op_by_op = fused_and_op_by_op(model, calls, lora)
+    assert same_bits(fused, op_by_op)
+    base, _ = fused_and_op_by_op(model, calls, None)
+    for step, step_base in zip(fused[:3], base[:3], strict=True):
+        assert not torch.equal(step[0], step_base[0]) and not torch.equal(step[2], step_base[2])
+        assert torch.equal(step[1], step_base[1])  # the base model's token
+
+
+@pytest.mark.parametrize("module", list(ADAPTS))
+def test_each_module_delta_counts(module: str, calls: list[tuple[int, bool]]) -> None:
+    """Each module's deltas alone change the one-call logits, and as op by op (a kernel that
+    dropped one, or added a skipped one, would not match)."""
+    model = tiny_model(tiny_config(), torch.float32)
+    only = {m: [m == module] * len(RANKS) for m in ADAPTS}
+    fused, op_by_op = fused_and_op_by_op(model, calls, random_lora(model, only))
+    assert same_bits(fused, op_by_op)
+    base, _ = fused_and_op_by_op(model, calls, None)
+    assert not torch.equal(fused[0][0], base[0][0]), f"{module}'s deltas change nothing"
