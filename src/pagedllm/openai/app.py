@@ -39,7 +39,7 @@ from pagedllm.openai.models import ServedModel
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, Prompt, parse_body
 from pagedllm.openai.request_body import MAX_BODY_BYTES, read_json
 from pagedllm.openai.responses import Builder, ChatBuilder, CompletionBuilder
-from pagedllm.openai.samples import Sample
+from pagedllm.openai.samples import Sample, make_samples
 from pagedllm.openai.streaming import (
     ClientGone,
     EventStream,
@@ -53,12 +53,10 @@ from pagedllm.openai.structured import Constraint
 from pagedllm.openai.tokenize import Tokenization
 from pagedllm.openai.tokens import TokenTexts
 from pagedllm.openai.tools import ToolUse, template_inputs
-from pagedllm.openai.triton import Generation, TritonBridge, TritonError
+from pagedllm.openai.triton import TritonBridge, TritonError
 from pagedllm.text.tokenizer import Tokenizer
 
 T = TypeVar("T", CompletionRequest, ChatCompletionRequest)
-# requests answering more choices than this (prompts x n) are refused
-MAX_CHOICES = 64
 # what turns on `trust_request_chat_template` for `pagedllm openai`
 TRUST_TEMPLATE_ENV = "PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE"
 
@@ -143,7 +141,7 @@ class Gateway:
         if body.use_beam_search:
             return await self._beam_search(request, body, prompts, echo)
         extra = self._extra(body, body.constraint)
-        samples = self._samples(
+        samples = make_samples(
             body, prompts, body.max_tokens, body.logprobs, prompt_logprobs, extra
         )
         builder = CompletionBuilder(self.model_name, self.tokens, body, samples, echo)
@@ -182,7 +180,7 @@ class Gateway:
                 extra["skip_special_tokens"] = False
         extra.update(self._extra(body, constraint))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        samples = self._samples(body, [prompt], body.output_limit, top, body.prompt_logprobs, extra)
+        samples = make_samples(body, [prompt], body.output_limit, top, body.prompt_logprobs, extra)
         builder = ChatBuilder(
             self.model_name,
             self.tokens,
@@ -258,34 +256,6 @@ class Gateway:
                 param="model",
                 code="model_not_found",
             )
-
-    def _samples(
-        self,
-        body: Any,
-        prompts: list[Prompt],
-        max_tokens: int | None,
-        logprobs: int | None,
-        prompt_logprobs: int | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> list[Sample]:
-        """One Triton request per prompt and sample; `logprobs` / `prompt_logprobs`: the top
-        alternatives per generated / prompt token (None: no log-probs); `extra`: more
-        sampling parameters (a constraint's `structured_outputs`)."""
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
-        samples: list[Sample] = []
-        for p, prompt in enumerate(prompts):
-            for j in range(body.n):
-                sampling = body.sampling(max_tokens)
-                if body.seed is not None:
-                    sampling["seed"] = body.seed + j
-                if logprobs is not None:
-                    sampling["logprobs"] = logprobs
-                if prompt_logprobs is not None:
-                    sampling["prompt_logprobs"] = prompt_logprobs
-                sampling.update(extra or {})
-                samples.append(Sample(len(samples), p, Generation(prompt, sampling)))
-        return samples
 
     async def _answer(
         self,

@@ -13,7 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.openai.errors import bad_request
 from pagedllm.openai.triton import Chunk, Generation, TokenLogprob
+
+# requests answering more choices than this (prompts x n) are refused
+MAX_CHOICES = 64
 
 
 @dataclass
@@ -64,6 +68,34 @@ class Sample:
             "completion_tokens": self.num_output_tokens,
             "total_tokens": self.num_input_tokens + self.num_output_tokens,
         }
+
+
+def make_samples(
+    body: Any,
+    prompts: Sequence[str | list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> list[Sample]:
+    """One Triton request per prompt and sample of `body` (a completion or chat request);
+    `logprobs` / `prompt_logprobs`: the top alternatives per generated / prompt token (None:
+    no log-probs); `extra`: more sampling parameters (a constraint's `structured_outputs`)."""
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
+    samples: list[Sample] = []
+    for p, prompt in enumerate(prompts):
+        for j in range(body.n):
+            sampling = body.sampling(max_tokens)
+            if body.seed is not None:
+                sampling["seed"] = body.seed + j
+            if logprobs is not None:
+                sampling["logprobs"] = logprobs
+            if prompt_logprobs is not None:
+                sampling["prompt_logprobs"] = prompt_logprobs
+            sampling.update(extra or {})
+            samples.append(Sample(len(samples), p, Generation(prompt, sampling)))
+    return samples
 
 
 def usage(samples: Sequence[Sample]) -> dict[str, Any]:
