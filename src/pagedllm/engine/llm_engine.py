@@ -27,6 +27,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tracing import Tracer
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import check_request
+from pagedllm.lora.stats import LoRARequestsInfo, lora_requests_info
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
@@ -67,6 +68,7 @@ class EngineStats:
     # speculative decoding (None when off): drafts, draft tokens, accepted tokens, and the
     # accepted tokens per draft position, since the engine started
     spec_decode: tuple[int, int, int, tuple[int, ...]] | None = None
+    lora: LoRARequestsInfo | None = None  # the adapters running and waiting (None: LoRA off)
 
 
 class LLMEngine:
@@ -374,6 +376,7 @@ class LLMEngine:
             kv_blocks_peak=kv.peak_used_blocks,
             **self.config.kv_cache_report(),
             spec_decode=None if s.spec is None else s.spec.counters(),
+            lora=lora_requests_info(s.running, s.waiting, self.config.lora),
         )
 
     def check_integrity(self) -> None:

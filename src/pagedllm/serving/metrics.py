@@ -5,6 +5,7 @@ counter values and turns cumulative counts into increments."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,15 +38,21 @@ GAUGES = {
     "vllm:num_requests_waiting": "Requests waiting to be scheduled.",
     "vllm:kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (1 = all).",
 }
-# gauges set once to 1, the facts in their labels (vLLM's "info" metrics)
+# vLLM's "info" gauges, the facts in their labels: set once to 1 (the cache config); a series
+# per state, its value the time that state was last seen (LoRA, with LoRA on)
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
-INFO = {CACHE_CONFIG_INFO: "Information of the LLMEngine CacheConfig"}
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+INFO = {
+    CACHE_CONFIG_INFO: "Information of the LLMEngine CacheConfig",
+    LORA_REQUESTS_INFO: "Running stats on lora requests.",
+}
 __all__ = [
     "CACHE_CONFIG_INFO",
     "COUNTERS",
     "GAUGES",
     "HISTOGRAMS",
     "INFO",
+    "LORA_REQUESTS_INFO",
     "REJECTED",
     "MetricsExporter",
     "Update",
@@ -109,6 +116,19 @@ class MetricsExporter:
         yield Update("gauge", "vllm:num_requests_waiting", stats.num_waiting)
         usage = stats.kv_blocks_used / stats.kv_blocks_total
         yield Update("gauge", "vllm:kv_cache_usage_perc", usage)
+        if stats.lora is not None:  # LoRA on
+            yield Update("gauge", LORA_REQUESTS_INFO, time.time(), _lora_labels(stats))
+
+
+def _lora_labels(stats: EngineStats) -> tuple[tuple[str, str], ...]:
+    """vLLM's labels: max_lora, and the adapters of the running / waiting requests, each
+    comma-separated."""
+    assert stats.lora is not None
+    return (
+        ("max_lora", str(stats.lora.max_loras)),
+        ("running_lora_adapters", ",".join(stats.lora.running)),
+        ("waiting_lora_adapters", ",".join(stats.lora.waiting)),
+    )
 
 
 def _spec_totals(stats: EngineStats) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
