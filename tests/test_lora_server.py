@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lora_adapters import save_adapter
 from test_server import PROMPT, body, post
+from tritonclient.utils import np_to_triton_dtype
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.serving.launcher import make_server
@@ -131,3 +134,40 @@ def test_adapters_from_multi_lora_json_and_serve_flags(tmp_path: Path) -> None:
         serve_env(parser.parse_args(["--lora-modules", "x=/p/x"]))
     with pytest.raises(ValueError, match="NAME=PATH"):
         serve_env(parser.parse_args(["--enable-lora", "--lora-modules", "x"]))
+
+
+# --- request parameters (request_params.py) -------------------------------------------------
+
+
+def test_request_parameters_as_vllm_backend_reads_them(
+    server: TritonServer, offline: dict[str | None, tuple]
+) -> None:
+    """vllm_backend's README form: sampling parameters, lora_name and exclude_input_in_output
+    as request parameters (the ensemble and the unary `llm` alike); an unknown one, or a
+    misspelled input of a generate body (Triton makes it a parameter), is a 400 naming it."""
+    params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    for model in ("ensemble", "llm"):
+        url = f"{server.http_url}/v2/models/{model}/generate"
+        request = {"text_input": PROMPT, "parameters": {**params, "lora_name": "mlp_o"}}
+        request["parameters"]["exclude_input_in_output"] = True
+        status, text = post(url, request)
+        assert status == 200, text
+        assert result(json.loads(text))[0] == offline["mlp_o"][0]
+        status, text = post(url, {"text_input": PROMPT, "parameters": {"lora_nmae": "all"}})
+        assert status == 400 and "unknown request parameter 'lora_nmae'; the accepted" in text
+        assert "lora_name" in text
+        status, text = post(url, {"text_input": PROMPT, "max_tokns": 4})
+        assert status == 400 and "unknown request parameter 'max_tokns'" in text, text
+    import tritonclient.grpc as grpcclient
+    from test_trtllm_bls import prepare_inputs
+
+    errors: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: errors.put(error))
+    inputs = []
+    for name, value in prepare_inputs(PROMPT, 4, False).items():
+        inputs.append(grpcclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype)))
+        inputs[-1].set_data_from_numpy(value)
+    client.async_stream_infer("tensorrt_llm_bls", inputs, parameters={"x": 1})
+    client.stop_stream()
+    assert "'x': tensorrt_llm_bls takes no request parameters" in str(errors.get(timeout=60))

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from pagedllm.serving import adapter  # noqa: E402
+from pagedllm.serving import adapter, request_params  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
 from pagedllm.serving.embedding_codec import (  # noqa: E402
     llm_embedding_outputs,
@@ -80,12 +80,12 @@ class TritonPythonModel:
         get = adapter.getter(pb_utils, request)
         if self.pooling or get("embedding_request") is not None:
             return self._embed(get)
+        # request parameters (vllm_backend's sampling parameters) travel as inputs
+        replaced = request_params.as_inputs(request_params.parse(request.parameters()), get)
         ids = self.tokenizer.handle(get)["input_ids"]
-        inputs = [t for t in request.inputs() if t.name() not in ("stream", "input_ids")]
-        inputs += [
-            pb_utils.Tensor("stream", np.array([False])),
-            pb_utils.Tensor("input_ids", ids),
-        ]
+        replaced |= {"stream": np.array([False]), "input_ids": ids}
+        inputs = [t for t in request.inputs() if t.name() not in replaced]
+        inputs += [pb_utils.Tensor(name, value) for name, value in replaced.items()]
         engine = pb_utils.InferenceRequest(
             model_name="llm_engine", inputs=inputs, requested_output_names=ENGINE_OUTPUTS
         )

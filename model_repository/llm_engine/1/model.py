@@ -32,7 +32,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.convert import to_bool  # noqa: E402
 from pagedllm.serving import adapter  # noqa: E402
-from pagedllm.serving.lora import lora_modules, request_lora_name  # noqa: E402
+from pagedllm.serving.lora import lora_modules  # noqa: E402
 from pagedllm.serving.metrics import (  # noqa: E402
     CACHE_CONFIG_INFO,
     COUNTERS,
@@ -216,8 +216,8 @@ class TritonPythonModel:
 
             send, fail = _senders(sender)
             get = adapter.getter(pb_utils, request)
-            lora_name = request_lora_name(request.parameters())  # vllm_backend's second place
-            self.model.handle(get, send, fail, sender.is_cancelled, lora_name)
+            # vllm_backend's second place for sampling parameters and lora_name
+            self.model.handle(get, send, fail, sender.is_cancelled, request.parameters())
         return None
 
     def finalize(self):

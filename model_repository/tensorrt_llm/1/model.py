@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from pagedllm.convert import to_bool  # noqa: E402
-from pagedllm.serving import adapter  # noqa: E402
+from pagedllm.serving import adapter, request_params  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
 from pagedllm.serving.settings import (  # noqa: E402
     DEFAULT_MAX_PROMPT_BYTES,
@@ -52,6 +52,9 @@ class TritonPythonModel:
 
     def _run(self, request, sender):
         try:
+            params = request_params.parse(request.parameters())
+            # llmapi_client.py sends Streaming (upstream ignores it; so does this model)
+            request_params.check(params, ("Streaming",), "tensorrt_llm")
             answer = self.model.handle(
                 adapter.getter(pb_utils, request),
                 request.request_id(),

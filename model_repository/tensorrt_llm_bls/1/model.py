@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from pagedllm.serving import adapter  # noqa: E402
+from pagedllm.serving import adapter, request_params  # noqa: E402
 from pagedllm.serving.codec import RequestError  # noqa: E402
 from pagedllm.serving.errors import error_code  # noqa: E402
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES, int_setting, model_dir  # noqa: E402
@@ -47,6 +47,8 @@ class TritonPythonModel:
 
     def _start(self, request, sender):
         try:
+            params = request_params.parse(request.parameters())
+            request_params.check(params, (), "tensorrt_llm_bls")  # TensorRT-LLM's: none
             items = self.model.items(adapter.getter(pb_utils, request))
         except RequestError as e:
             sender.send(adapter.error(pb_utils, str(e)), flags=FINAL)

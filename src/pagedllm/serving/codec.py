@@ -28,8 +28,9 @@ import numpy as np
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.convert import to_bool
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.serving import structured
+from pagedllm.serving import request_params, structured
 from pagedllm.serving.beams import beam_params
+from pagedllm.serving.errors import RequestError
 
 # scalar input tensor -> SamplingParams field
 SCALAR_INPUTS = {
@@ -117,10 +118,6 @@ MAX_BEAM_WIDTH = 10
 MAX_JSON_CHARS = 1 << 19  # room for a schema of the largest size allowed, escaped
 
 
-class RequestError(ValueError):
-    """A request that cannot be served; the message is for the client."""
-
-
 @dataclass
 class GenerateRequest:
     prompt: str
@@ -185,8 +182,10 @@ def _flag(name: str, value: Any) -> bool:
         raise RequestError(str(e)) from None
 
 
-def parse_request(get: Getter) -> GenerateRequest:
-    """Read a request through `get(name)` (the input tensor as a numpy array, or None)."""
+def parse_request(get: Getter, parameters: dict[str, Any] | None = None) -> GenerateRequest:
+    """Read a request through `get(name)` (the input tensor as a numpy array, or None) and
+    its Triton request `parameters` (`request_params`: vllm_backend's sampling parameters,
+    under those of the `sampling_parameters` input and the input tensors)."""
     text, ids = get("text_input"), prompt_ids(get("input_ids"))
     if text is None and ids is None:
         raise RequestError("text_input is required")
@@ -197,7 +196,12 @@ def parse_request(get: Getter) -> GenerateRequest:
     raw_json = get("sampling_parameters")
     if raw_json is not None:
         values.update(_json_object(str(_single("sampling_parameters", raw_json))))
-    lora_name = values.pop("lora_name", None)
+    by_param = dict(parameters or {})
+    request_params.check(by_param, request_params.generation_keys())
+    own = {k: by_param.pop(k) for k in request_params.OWN if k in by_param}
+    for key, value in by_param.items():
+        values.setdefault(key, value)
+    lora_name = values.pop("lora_name", own.get("lora_name"))
     sent: dict[str, str] = {}  # field -> the tensor that set it
     for name, field in SCALAR_INPUTS.items():
         array = get(name)
@@ -217,6 +221,9 @@ def parse_request(get: Getter) -> GenerateRequest:
         for name in (*FLAG_INPUTS, *VLLM_FLAGS)
         if (a := get(name)) is not None
     }
+    for name in ("stream", "exclude_input_in_output"):
+        if name in own and name not in flags:
+            flags[name] = _flag(name, own[name])
     extra = Extra.NONE
     for name, bit in VLLM_FLAGS.items():
         if name in flags:

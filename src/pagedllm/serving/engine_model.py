@@ -30,6 +30,7 @@ from pagedllm.engine.service import EngineService, OnBeams, OnStats
 from pagedllm.lora.slots import check_request
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.serving import request_params
 from pagedllm.serving.beams import beam_output
 from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
@@ -105,13 +106,13 @@ class EngineModel:
         send: Send,
         fail: Fail,
         is_cancelled: IsCancelled,
-        lora_name: object = None,
+        parameters: str = "",
     ) -> None:
         """Start one request; responses arrive through `send` from the sender thread.
-        `lora_name`: the request parameter's (sampling_parameters' wins)."""
+        `parameters`: its Triton request parameters, JSON text (`request_params`)."""
         try:
-            req = parse_request(get)
-            lora = self.loras.resolve(req.lora_name if req.lora_name is not None else lora_name)
+            req = parse_request(get, request_params.parse(parameters))
+            lora = self.loras.resolve(req.lora_name)
             if lora is not None and req.beam is not None:
                 raise RequestError("beam search with a LoRA adapter is not supported")
         except RequestError as e:

@@ -13,6 +13,10 @@ UNAVAILABLE_PREFIXES = ("server busy", "the engine is dead", "the engine is shut
 INTERNAL_PREFIXES = ("internal error", "request failed in the model runner")
 
 
+class RequestError(ValueError):
+    """A request that cannot be served; the message is for the client."""
+
+
 def error_code(message: str) -> Code:
     """The Triton error code of an error message of this model (`Code`)."""
     text = message.removeprefix("in ensemble 'ensemble', ")

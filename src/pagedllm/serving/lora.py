@@ -81,15 +81,6 @@ class LoRANames:
         return self.requests[name]
 
 
-def request_lora_name(parameters_json: str) -> Any:
-    """`lora_name` from a request's Triton parameters (a JSON object), or None."""
-    try:
-        obj = json.loads(parameters_json) if parameters_json else {}
-    except json.JSONDecodeError:
-        return None
-    return obj.get("lora_name") if isinstance(obj, dict) else None
-
-
 def add_serve_arguments(parser: Any) -> None:
     """`pagedllm serve`'s LoRA flags, vLLM's spellings."""
     parser.add_argument(
