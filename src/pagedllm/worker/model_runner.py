@@ -73,6 +73,8 @@ class ModelRunner(ShardExecutor):
         query_start_loc = [0]
         context_lens = []
         logits_indices: list[int] = []
+        max_blocks = max(len(s.block_ids) for s in batch)
+        tables: list[list[int]] = []
         for s in batch:
             end = s.start_pos + s.num_tokens
             input_ids += s.token_ids
@@ -80,13 +82,18 @@ class ModelRunner(ShardExecutor):
             positions += pos
             table = s.block_ids
             slots += [table[p // bs] * bs + p % bs for p in pos]
-            query_start_loc.append(len(input_ids))
-            context_lens.append(end)
+            # a drafting request's k + 1 positions are k + 1 decode rows, each attending to
+            # the cache up to its own position (the backends write every row's KV first)
+            padded = table + [0] * (max_blocks - len(table))
+            for context in range(s.start_pos + 1, end + 1) if s.spec_token_ids else [end]:
+                query_start_loc.append(len(input_ids) - (end - context))
+                context_lens.append(context)
+                tables.append(padded)
             if s.sample:  # the last token's logits, and each draft token's before it
                 logits_indices += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
-        max_blocks = max(len(s.block_ids) for s in batch)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch]
-        num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens > 1), len(batch))
+        # decodes first: single tokens and drafts' rows, then prefill chunks (order_batch)
+        chunks = sum(1 for s in batch if not is_decode(s))
+        num_decodes = len(context_lens) - chunks
         plan = StepPlan(
             input_ids,
             positions,
@@ -145,7 +152,7 @@ class ModelRunner(ShardExecutor):
         plan.block_copies = block_copies
         if self.lora_table is not None:
             plan.lora_loads, plan.lora_slots = self.lora_table.plan(batch)
-        spans = _prompt_logprob_spans(batch, plan.query_start_loc)
+        spans = _prompt_logprob_spans(batch)
         if spans:  # prompt positions' logits too: no CUDA graph
             plan.logits_indices += [
                 i for span in spans for i in range(span.flat_start, span.flat_start + span.count)
@@ -240,20 +247,25 @@ class _PromptLogprobSpan:
 
 
 def _prompt_logprob_spans(
-    batch: list[ScheduledRequest], query_start_loc: list[int]
+    batch: list[ScheduledRequest],
 ) -> list[_PromptLogprobSpan]:
-    spans = []
-    for r, s in enumerate(batch):
+    spans, flat_start = [], 0
+    for s in batch:
         num_top = s.params.prompt_logprobs
-        if num_top is None:
-            continue
         # logits at position p score prompt token p + 1
         count = min(s.start_pos + s.num_tokens, len(s.prompt_token_ids) - 1) - s.start_pos
-        if count > 0:
-            spans.append(_PromptLogprobSpan(s, query_start_loc[r], count, s.start_pos + 1, num_top))
+        if num_top is not None and count > 0:
+            spans.append(_PromptLogprobSpan(s, flat_start, count, s.start_pos + 1, num_top))
+        flat_start += s.num_tokens
     return spans
 
 
+def is_decode(s: ScheduledRequest) -> bool:
+    """One new token, or one and its draft (verified as decode rows)."""
+    return s.num_tokens - len(s.spec_token_ids) == 1
+
+
 def order_batch(batch: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Decodes (one new token) first, prefill chunks after, as the attention backends expect."""
-    return sorted(batch, key=lambda s: s.num_tokens > 1)
+    """Decodes (one new token, or one and its draft) first, prefill chunks after, as the
+    attention backends expect."""
+    return sorted(batch, key=lambda s: not is_decode(s))
