@@ -5,6 +5,7 @@ llama checkpoint's chat template the gateway tests serve."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,15 +35,24 @@ def with_chat_template(path: Path) -> Path:
 
 
 @contextmanager
-def running_gateway(server: TritonServer, model_dir: Path, log: Path, *args: str) -> Iterator[str]:
-    """The gateway's base URL (http://127.0.0.1:PORT); `args`: more command-line options; its
-    output goes to `log` (shown if it stops or does not answer within 60 s)."""
+def running_gateway(
+    server: TritonServer,
+    model_dir: Path,
+    log: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """The gateway's base URL (http://127.0.0.1:PORT); `args`: more command-line options;
+    `env`: more environment variables; its output goes to `log` (shown if it stops or does not
+    answer within 60 s)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", server.grpc_url]
     cmd += ["--port", str(port), "--model-dir", str(model_dir), "--metrics-url", server.metrics_url]
     cmd += list(args)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

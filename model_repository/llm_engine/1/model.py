@@ -214,6 +214,11 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 continue
 
+            admin = pb_utils.get_input_tensor_by_name(request, "lora_admin")
+            if admin is not None:  # the OpenAI gateway's adapter routes (serving.lora_admin)
+                answer = self.model.lora_admin(admin.as_numpy())
+                sender.send(adapter.response(pb_utils, answer), flags=FINAL)
+                continue
             send, fail = _senders(sender)
             get = adapter.getter(pb_utils, request)
             # vllm_backend's second place for sampling parameters and lora_name

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pagedllm.errors import ConfigError
+
+# vLLM's opt-in to loading and unloading adapters while serving ("1" or "true", any case): the
+# OpenAI gateway's routes exist, and the engine obeys them, only where it is set
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_updating_allowed() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 @dataclass(frozen=True)

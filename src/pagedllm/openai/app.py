@@ -29,11 +29,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedllm.convert import to_bool
+from pagedllm.lora.request import runtime_updating_allowed
 from pagedllm.openai.beams import beam_choices, beam_requests
 from pagedllm.openai.chat import ChatTemplate
 from pagedllm.openai.chat_fields import ChatTemplateFields, render_chat
 from pagedllm.openai.embeddings import Embeddings
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
+from pagedllm.openai.lora_admin import LoRAModels, not_found
 from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
 from pagedllm.openai.models import ServedModel
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, Prompt, parse_body
@@ -76,6 +78,8 @@ class GatewayConfig:
     metrics_url: str | None = None  # Triton's, relayed at /metrics; None: triton_url's host:8002
     # a request may bring its own chat template (vLLM's --trust-request-chat-template)
     trust_request_chat_template: bool = field(default_factory=_trust_env)
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = field(default_factory=runtime_updating_allowed)
 
     @property
     def model_name(self) -> str:
@@ -98,6 +102,8 @@ class Gateway:
         self.template_tokens = ChatTemplate.special_tokens_of(config.model_dir, self.tokenizer)
         self.bridge = TritonBridge(config.triton_url, config.triton_model)
         self.model = ServedModel(self.model_name, config.model_dir, self.bridge)
+        allow = config.allow_runtime_lora_updating  # the base model and the engine's adapters
+        self.loras = LoRAModels(self.bridge.client, self.model, allow, config.max_body_bytes)
         # vLLM's /tokenize and /detokenize: models checked, templates chosen as here
         self.tokenization = Tokenization(
             self.tokens, self.model, config.max_body_bytes, self._check_model, self._template
@@ -118,16 +124,9 @@ class Gateway:
         # the model name it then lists and routes by (docs/routing.md)
         return JSONResponse({"served_model_name": self.model_name})
 
-    async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [await self.model.card()]})
-
-    async def get_model(self, request: Request) -> Response:
-        self._check_model(request.path_params["model"])
-        return JSONResponse(await self.model.card())
-
     async def completions(self, request: Request) -> Response:
         body = await self._body(request, CompletionRequest)
-        self._check_model(body.model)
+        lora = await self.loras.resolve(body.model)  # {} or the adapter's lora_name
         given = body.prompts(self.tokens.vocab_size)
         keep = await self._keep(body)
         prompts = [await self._prompt(body, p, keep) for p in given]
@@ -139,12 +138,14 @@ class Gateway:
         if body.echo:  # the prompt's text, or the text of the ids the model saw
             echo = [self._echo(g, p, keep) for g, p in zip(given, prompts, strict=True)]
         if body.use_beam_search:
+            if lora:
+                raise bad_request("beam search with a LoRA adapter is not supported", "model")
             return await self._beam_search(request, body, prompts, echo)
-        extra = self._extra(body, body.constraint)
+        extra = {**self._extra(body, body.constraint), **lora}
         samples = make_samples(
             body, prompts, body.max_tokens, body.logprobs, prompt_logprobs, extra
         )
-        builder = CompletionBuilder(self.model_name, self.tokens, body, samples, echo)
+        builder = CompletionBuilder(body.model, self.tokens, body, samples, echo)
         return await self._answer(request, body, samples, builder, "prompt", body.constraint)
 
     async def _beam_search(
@@ -164,7 +165,7 @@ class Gateway:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._body(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        lora = await self.loras.resolve(body.model)
         template = self._template(body)
         tools = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
         given = body.template_messages()
@@ -178,11 +179,11 @@ class Gateway:
             constraint, reads_calls = tools.resolve(constraint, specials)
             if reads_calls and tools.keeps_special_tokens(specials):
                 extra["skip_special_tokens"] = False
-        extra.update(self._extra(body, constraint))
+        extra.update(self._extra(body, constraint), **lora)
         top = (body.top_logprobs or 0) if body.logprobs else None
         samples = make_samples(body, [prompt], body.output_limit, top, body.prompt_logprobs, extra)
         builder = ChatBuilder(
-            self.model_name,
+            body.model,
             self.tokens,
             body,
             samples,
@@ -250,12 +251,7 @@ class Gateway:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
-                param="model",
-                code="model_not_found",
-            )
+            raise not_found(model)
 
     async def _answer(
         self,
@@ -327,8 +323,8 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = Starlette(
         routes=[
             Route("/health", gateway.health, methods=["GET"]),
-            Route("/v1/models", gateway.list_models, methods=["GET"]),
-            Route("/v1/models/{model:path}", gateway.get_model, methods=["GET"]),
+            Route("/v1/models", gateway.loras.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", gateway.loras.get_model, methods=["GET"]),
             Route("/server_info", gateway.server_info, methods=["GET"]),
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
@@ -336,6 +332,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/metrics", metrics.metrics, methods=["GET"]),
             Route("/tokenize", gateway.tokenization.tokenize, methods=["POST"]),  # vLLM's
             Route("/detokenize", gateway.tokenization.detokenize, methods=["POST"]),
+            *gateway.loras.routes(),  # vLLM's runtime LoRA routes, where allowed
         ],
         exception_handlers=handlers,
         lifespan=lifespan,

@@ -75,7 +75,7 @@ class APIError(Exception):
         *,
         param: str | None = None,
         type: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # vLLM's errors carry the status
     ) -> None:
         super().__init__(message)
         self.status = status

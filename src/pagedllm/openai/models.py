@@ -1,6 +1,7 @@
 """The served model as `/v1/models` lists it, in vLLM's card: `id`, `object`, `created`,
 `owned_by`, `root` (the model directory the gateway reads), `parent` (null), `max_model_len`
-and `permission` (one `model_permission` entry, as vLLM's).
+and `permission` (one `model_permission` entry, as vLLM's); a LoRA adapter's card has its
+folder as `root` and the base model's id as `parent` (`openai.lora_admin`).
 
 `max_model_len` is the engine's: `llm_engine`'s `max_model_len` parameter as Triton reports
 its config (asked once, when first needed), else — 0 there, or Triton not asked yet — the
@@ -59,14 +60,24 @@ class ServedModel:
             return None
 
     async def card(self) -> dict[str, Any]:
+        return self._card(self.name, self.root, None, await self.max_model_len())
+
+    def adapter_card(self, name: str, path: str) -> dict[str, Any]:
+        """A LoRA adapter's card, as vLLM's: its folder as `root`, the base model as `parent`,
+        no `max_model_len`."""
+        return self._card(name, path, self.name, None)
+
+    def _card(
+        self, name: str, root: str, parent: str | None, max_model_len: int | None
+    ) -> dict[str, Any]:
         return {
-            "id": self.name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedllm",
-            "root": self.root,
-            "parent": None,
-            "max_model_len": await self.max_model_len(),
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
             "permission": [
                 {
                     "id": f"modelperm-{uuid.uuid4().hex}",

@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from pagedllm.beam_search import BeamSearchSequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
@@ -30,7 +32,7 @@ from pagedllm.engine.service import EngineService, OnBeams, OnStats
 from pagedllm.lora.slots import check_request
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
-from pagedllm.serving import request_params
+from pagedllm.serving import lora_admin, request_params
 from pagedllm.serving.beams import beam_output
 from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import Getter, RequestError, parse_request
@@ -313,6 +315,12 @@ class EngineModel:
         self.service.abort(request_id)
 
     abort = cancelled
+
+    def lora_admin(self, value: np.ndarray) -> dict[str, np.ndarray]:
+        """A `lora_admin` request's one response (`serving.lora_admin`): list, load or unload
+        adapters; called on the thread that reads the requests' adapter names."""
+        check = lora_admin.adapter_check(self.engine.runner.lora)
+        return lora_admin.respond(self.loras, value, check)
 
     def drain(self) -> None:
         """Refuse new requests; give those in flight `drain_timeout` seconds to finish, then

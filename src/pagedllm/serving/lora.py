@@ -66,6 +66,19 @@ class LoRANames:
         self.requests = {
             name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(modules.items())
         }
+        self._next_id = len(self.requests) + 1
+
+    def add(self, name: str, path: str) -> LoRARequest:
+        """A runtime load (`serving.lora_admin`): `name` -> `path` under a new id. Ids are
+        never reused: the host cache, the slots and the prefix cache key on them."""
+        request = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self.requests[name] = request
+        return request
+
+    def remove(self, name: str) -> None:
+        """New requests can no longer name it; those in flight finish on it."""
+        del self.requests[name]
 
     def resolve(self, name: Any) -> LoRARequest | None:
         """None for no name (the base model); vllm_backend's error for LoRA off or an
