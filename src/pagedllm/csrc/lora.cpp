@@ -7,8 +7,9 @@
 
 namespace {
 
-template <typename T>
-float dot_k(const T* a, const T* x, int64_t k) {
+// a . x over k values, in fp32 (two accumulators of kLanes lanes, a scalar tail).
+template <typename T, typename U>
+float dot_k(const T* a, const U* x, int64_t k) {
   fvec acc0{}, acc1{};
   int64_t c = 0;
   for (; c + 2 * kLanes <= k; c += 2 * kLanes) {
@@ -21,15 +22,14 @@ float dot_k(const T* a, const T* x, int64_t k) {
   return s;
 }
 
+// One token: t = A x (the fp32 rank vector), then out += B t, each output's row of B against t
+// in SIMD lanes.
 template <typename T>
 void lora_token(const T* x, const T* a, const T* b, T* out, int64_t rank, int64_t k, int64_t m,
                 float* t) {
   for (int64_t r = 0; r < rank; ++r) t[r] = dot_k(a + r * k, x, k);
   for (int64_t o = 0; o < m; ++o) {
-    const T* row = b + o * rank;
-    float s = 0.f;
-    for (int64_t r = 0; r < rank; ++r) s += static_cast<float>(row[r]) * t[r];
-    out[o] = static_cast<T>(static_cast<float>(out[o]) + s);
+    out[o] = static_cast<T>(static_cast<float>(out[o]) + dot_k(b + o * rank, t, rank));
   }
 }
 
