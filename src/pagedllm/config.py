@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import hybrid_config, kv_budget, kv_cache_dtype
 from pagedllm.device import DEVICES, RESOLVED, check_device, resolve_device
+from pagedllm.draft_config import draft_model_config
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
 from pagedllm.kv_cache_dtype import check_kv_cache_dtype, check_supported
@@ -217,6 +218,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {model_len} exceeds the model's context ({context})")
         torch_dtype = resolve_dtype(dtype, model.checkpoint_dtype)
         batched_tokens = max_num_batched_tokens or max(2048, min(model_len, 8192))
+        speculative = SpeculativeConfig.from_dict(speculative_config)
+        if speculative is not None and model.hybrid is not None:  # no state to roll back
+            raise ConfigError("speculative decoding is not supported on hybrid (Qwen3.5) models")
+        # a draft model's KV lies in the same blocks (draft_config.py): none freed by a window
+        draft = draft_model_config(speculative, model, model_dir)
+        free_out_of_window_blocks &= draft is None
         window = CacheConfig.window_of(model.layer_windows) if free_out_of_window_blocks else None
         state_bytes = 0
         if model.hybrid is not None:  # linear-attention state slots beside the KV pool
@@ -243,6 +250,7 @@ class EngineConfig:
                 sliding_window=window,
                 reserved_bytes=state_bytes,
                 kv_cache_dtype=kv_kind,
+                draft=draft,
             )
         cache = CacheConfig(
             block_size,
@@ -263,9 +271,6 @@ class EngineConfig:
         if lora is not None and (model.mla is not None or model.hybrid is not None):
             kind = "latent-attention (MLA)" if model.mla is not None else "hybrid (Qwen3.5)"
             raise ConfigError(f"LoRA adapters are not supported on {kind} models")
-        speculative = SpeculativeConfig.from_dict(speculative_config)
-        if speculative is not None and model.hybrid is not None:  # no state to roll back
-            raise ConfigError("speculative decoding is not supported on hybrid (Qwen3.5) models")
         return EngineConfig(
             model_dir=str(model_dir),
             model=model,

@@ -66,13 +66,16 @@ def num_kv_blocks(
     sliding_window: int | None = None,
     reserved_bytes: int = 0,
     kv_cache_dtype: str = "auto",
+    draft: ModelSizes | None = None,
 ) -> int:
     """Enough blocks for every sequence at full length, capped by the memory budget: on a CUDA
     device its free memory (`gpu_memory_utilization`), else `kv_cache_memory` bytes. With
     `sliding_window` (every layer's: blocks out of it are freed) a sequence holds at most its
     window before a chunk of `batched_tokens`, the chunk, and one block of misalignment.
     A quantized cache (`kv_cache_dtype`) counts its bytes per token, scales included.
-    `reserved_bytes` of the budget go elsewhere (a hybrid model's state slots)."""
+    `reserved_bytes` of the budget go elsewhere (a hybrid model's state slots). A `draft`
+    model (speculative decoding) keeps its KV in the same blocks: its layers' bytes are added
+    to every block's, and its weights to the GPU's."""
     world = tensor_parallel_size
     if device.startswith("cuda"):
         # an engine closed in this process leaves its pool cached by torch: count it free
@@ -85,7 +88,8 @@ def num_kv_blocks(
             free,
             total,
             gpu_memory_utilization,
-            weight_bytes=int(model.num_parameters * _bytes_per_weight(quantization, dtype) / world),
+            weight_bytes=int(model.num_parameters * _bytes_per_weight(quantization, dtype) / world)
+            + (0 if draft is None else draft.num_parameters * dtype.itemsize),
             activation_bytes=activation_reserve(model, batched_tokens, max_num_seqs)
             + (NCCL_RESERVE if world > 1 else 0),
         )
@@ -96,6 +100,11 @@ def num_kv_blocks(
     values = model.kv_values_per_token(world)
     per_token = bytes_per_token_layer(kv_cache_dtype, dtype, values, model.head_dim)
     bytes_per_block = model.num_kv_layers * block_size * per_token
+    if draft is not None:  # unsharded: the draft runs on rank 0 alone
+        draft_token = bytes_per_token_layer(
+            kv_cache_dtype, dtype, draft.kv_values_per_token(1), draft.head_dim
+        )
+        bytes_per_block += draft.num_kv_layers * block_size * draft_token
     usable = max(0, kv_cache_memory - reserved_bytes)  # the rest: a hybrid's state slots
     return max(1, min(per_seq * max_num_seqs, usable // bytes_per_block))
 

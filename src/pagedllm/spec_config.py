@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedllm.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -16,19 +16,26 @@ class SpeculativeConfig:
     """`method` "ngram" (prompt lookup): the `num_speculative_tokens` tokens that followed the
     latest earlier occurrence of the sequence's last n tokens, n from `prompt_lookup_max` down
     to `prompt_lookup_min`, are proposed and verified in one forward pass
-    (`pagedllm.core.spec_decode`). `max_batch_size`: no proposals while more requests than
-    this are running (the step is compute-bound there: verification costs what it saves);
-    `min_acceptance`: a request whose recent drafts were accepted less than this share stops
-    proposing for a while (adaptive back-off)."""
+    (`pagedllm.core.spec_decode`). "draft_model" (implied by `model`, a checkpoint directory
+    with the target's vocabulary): that model proposes them, one cheap decode step each
+    (`pagedllm.worker.draft_runner`), its weights in `quantization` (None: the checkpoint's).
+    `max_batch_size`: no proposals while more requests than this are running (the step is
+    compute-bound there: verification costs what it saves); `min_acceptance`: a request whose
+    recent drafts were accepted less than this share stops proposing for a while (adaptive
+    back-off)."""
 
-    method: str = "ngram"
+    method: str = ""  # "" resolves to "draft_model" with a `model`, else "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_batch_size: int = 4  # measured: 1.46x at batch 1, 0.70x at 8 (docs/speculative.md)
     min_acceptance: float = 0.2
+    model: str | None = None  # the draft model's directory
+    quantization: str | None = None  # the draft's weights (config.QUANTIZATIONS)
 
     def __post_init__(self) -> None:
+        if not self.method:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in METHODS:
             raise ConfigError(
                 f"speculative method {self.method!r} is not supported; use {', '.join(METHODS)}"
@@ -41,6 +48,10 @@ class SpeculativeConfig:
             raise ConfigError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if (self.method == "draft_model") != bool(self.model):
+            raise ConfigError(
+                "a draft model's directory (`model`) goes with method draft_model, and only there"
             )
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")

@@ -87,9 +87,12 @@ class SpecDecoder:
         k = min(cfg.num_speculative_tokens, budget, left)
         if k <= 0:
             return []
-        draft = ngram_propose(
-            request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
-        )
+        if cfg.method == "draft_model":  # placeholders the runner's draft model fills in
+            draft = [0] * k  # (worker/draft_runner.py), before the step's forward pass
+        else:
+            draft = ngram_propose(
+                request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
         if draft and kv.num_blocks_needed([(request, 1 + len(draft))]) > kv.pool.num_free_blocks:
             return []  # no room: a plain decode rather than a preemption
         return draft

@@ -198,7 +198,7 @@ def _uniforms(n: int, meta: SamplingMetadata, device: torch.device) -> torch.Ten
     return u
 
 
-def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Sample each row of softmax(logits) with its uniform: the first token whose cumulative
     probability exceeds u (-inf logits have no mass and are never chosen)."""
     cdf = logits.softmax(dim=-1).cumsum(dim=-1)
@@ -241,10 +241,10 @@ def filter_candidates(
 
 def _sample_filtered(logits: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     vals, idx, fits = filter_candidates(logits, meta)
-    tokens = idx.gather(1, _inverse_cdf(vals, u)[:, None])[:, 0]
+    tokens = idx.gather(1, inverse_cdf(vals, u)[:, None])[:, 0]
     if not bool(fits.all()):  # rare: a flat distribution whose nucleus passes the candidates
         rows = (~fits).nonzero()[:, 0]
-        tokens[rows] = _inverse_cdf(_filter_full(logits[rows], meta, rows), u[rows])
+        tokens[rows] = inverse_cdf(filter_full(logits[rows], meta, rows), u[rows])
     return tokens
 
 
@@ -272,7 +272,7 @@ def _top_p_candidates(
     return vals.masked_fill(drop, float("-inf")), nucleus_fits
 
 
-def _filter_full(logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+def filter_full(logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
     """The same filters over the whole vocabulary, for a few rows (sorts them for top-p)."""
     if meta.min_p is not None:
         top = logits.amax(dim=-1, keepdim=True)
@@ -290,6 +290,17 @@ class Sampler:
     ) -> SamplerOutput:
         """logits: (S, V) fp32, one row per request to sample."""
         raw = logits
+        logits = self.adjust(logits, rows, meta)
+        tokens = argmax_rows(logits) if meta.all_greedy else self._sample(logits, meta)
+        token_list = tokens.tolist()
+        logprobs = self._logprobs(raw, tokens, rows, meta) if meta.max_logprobs >= 0 else None
+        return SamplerOutput(token_list, logprobs or [None] * len(rows))
+
+    @staticmethod
+    def adjust(
+        logits: torch.Tensor, rows: Sequence[SampleRequest], meta: SamplingMetadata
+    ) -> torch.Tensor:
+        """Bans, logit bias and penalties applied (to a copy, if any applies)."""
         if meta.banned is not None or meta.penalties is not None or meta.bias is not None:
             logits = logits.clone()  # raw stays for the log-probabilities
         if meta.banned is not None:
@@ -298,10 +309,7 @@ class Sampler:
             meta.bias.apply_(logits)
         if meta.penalties is not None:
             apply_penalties(logits, rows, meta)
-        tokens = argmax_rows(logits) if meta.all_greedy else self._sample(logits, meta)
-        token_list = tokens.tolist()
-        logprobs = self._logprobs(raw, tokens, rows, meta) if meta.max_logprobs >= 0 else None
-        return SamplerOutput(token_list, logprobs or [None] * len(rows))
+        return logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -310,7 +318,7 @@ class Sampler:
         logits = logits / meta.temperature
         u = _uniforms(logits.shape[0], meta, logits.device)
         if meta.top_k is None and meta.top_p is None and meta.min_p is None:
-            sampled = _inverse_cdf(logits, u)
+            sampled = inverse_cdf(logits, u)
         else:
             sampled = _sample_filtered(logits, u, meta)
         return (

@@ -21,7 +21,8 @@ from pagedllm.layers.sampler import (
     prompt_logprobs,
 )
 from pagedllm.lora.slots import SlotTable
-from pagedllm.worker import spec_verify
+from pagedllm.worker import rejection, spec_verify
+from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.executor import ShardExecutor, StepPlan, use_device
 from pagedllm.worker.tp_worker import TPWorkers
 
@@ -53,6 +54,10 @@ class ModelRunner(ShardExecutor):
         self.grammars: GrammarMatchers | None = None
         # which LoRA adapter holds which slot of every rank's pool (lora/slots.py)
         self.lora_table = None if config.lora is None else SlotTable(config.lora.max_loras)
+        # speculative decoding with a draft model: its proposals (worker/draft_runner.py)
+        spec = config.speculative
+        drafts = spec is not None and spec.method == "draft_model"
+        self.drafter = DraftRunner(config, self) if drafts else None
 
     @property
     def dead_reason(self) -> str | None:
@@ -121,6 +126,10 @@ class ModelRunner(ShardExecutor):
         if self.grammars is not None:
             self.grammars.forget(sched.finished_ids)
         batch = order_batch(sched.scheduled)
+        drafts: dict[str, rejection.Draft] = {}
+        if self.drafter is not None:  # the drafts first: the grammars' masks read them
+            self.drafter.forget(sched.finished_ids)
+            drafts = self.drafter.propose(batch, sched.block_copies)
         sampled = [s for s in batch if s.sample]
         # the grammars' next-token masks are filled on their own thread during the forward pass
         fill = self._fill_masks(sampled)
@@ -131,7 +140,7 @@ class ModelRunner(ShardExecutor):
         out = RunnerOutput()
         offset = spec_verify.num_rows(sampled)
         if sampled:
-            self._sample(logits[:offset], sampled, out, masks)
+            self._sample(logits[:offset], sampled, out, masks, drafts)
         for span in spans:
             s = span.request
             scored = prompt_logprobs(
@@ -173,26 +182,36 @@ class ModelRunner(ShardExecutor):
         batch: list[ScheduledRequest],
         out: RunnerOutput,
         masks: Masks | None,
+        drafts: dict[str, rejection.Draft],
     ) -> None:
         # one row per request, and one per draft token of a speculating one
         verify = list(spec_verify.verify_rows(batch))
         rows = [
-            SampleRequest(
-                batch[b].params,
-                batch[b].prompt_token_ids,
-                outputs,
-                self._generator(batch[b]),
-                self._stop_ids(batch[b]) if len(outputs) < batch[b].params.min_tokens else (),
-            )
-            for b, outputs in verify
+            # a draft model's sampled drafts draw from their own streams (worker/rejection.py)
+            self.sample_row(s, outputs, None if s.request_id in drafts else self._generator(s))
+            for s, outputs in ((batch[b], outputs) for b, outputs in verify)
         ]
         if masks is not None:  # before the sampler: log-probs are of the masked logits
             self._constrain(logits, rows, masks)
             out.failed.update(masks.failed)
-        meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
-        states = spec_verify.generator_states(batch, self._generators)
-        result = self.sampler(logits, rows, meta)
-        spec_verify.accept(batch, result, out, states, self._generators)
+        left = batch
+        if drafts:  # a draft model's sampled drafts: the rejection rule
+            logits, rows, left = rejection.verify_drafts(logits, rows, batch, drafts, out)
+        if rows:
+            meta = SamplingMetadata.build(rows, logits.shape[1], self.device)
+            states = spec_verify.generator_states(left, self._generators)
+            result = self.sampler(logits, rows, meta)
+            spec_verify.accept(left, result, out, states, self._generators)
+        if self.drafter is not None:
+            self.drafter.verified(batch, out)
+
+    def sample_row(
+        self, s: ScheduledRequest, outputs: list[int], generator: torch.Generator | None
+    ) -> SampleRequest:
+        """A row to sample for `s` after `outputs` (its output tokens, and drafts)."""
+        early = len(outputs) < s.params.min_tokens
+        stop_ids = self._stop_ids(s) if early else ()
+        return SampleRequest(s.params, s.prompt_token_ids, outputs, generator, stop_ids)
 
     def _constrain(self, logits: torch.Tensor, rows: list[SampleRequest], masks: Masks) -> None:
         """The grammars' masks on their rows. For those rows min_tokens' and bad words' bans
