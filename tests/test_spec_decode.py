@@ -252,6 +252,21 @@ def test_sampling_matches_the_target_distribution(checkpoints: dict[str, Path]) 
     assert sum(gaps) / length < sum(controls) / length + 0.05, (gaps, controls)
 
 
+def test_tensor_parallel_greedy_identical(checkpoints: dict[str, Path]) -> None:
+    """Two ranks speculating (the step's plan, the drafts' decode rows included, broadcast to
+    the worker): the greedy tokens of one rank without speculation."""
+    path = checkpoints["llama"]
+    prompts: list[Any] = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    base, _ = generate(path, prompts, params, None)
+    spec, llm = generate(path, prompts, params, NGRAM, device="cpu", tensor_parallel_size=2)
+    try:
+        assert_same(base, spec, logprobs=True)
+        assert accepted(llm) > 30
+    finally:
+        llm.close()
+
+
 def test_metrics_settings_and_cli(checkpoints: dict[str, Path]) -> None:
     """vLLM's spec_decode counters, exported under its names; the llm_engine model's
     `speculative_config` parameter and `pagedllm serve --speculative-config`."""

@@ -95,3 +95,20 @@ def test_verification_rows_match_transformers(checkpoints: dict[str, Path]) -> N
             for got in (mixed[rid],) if rid == "d" else (decoded[rid], mixed[rid]):
                 n = got.shape[0]
                 torch.testing.assert_close(got, want[-n:], atol=2e-4, rtol=1e-4)
+
+
+def test_graphs_are_captured_for_verification_rows(checkpoints: dict[str, Path]) -> None:
+    """The decode graphs' largest size holds a step of drafting requests: up to
+    `max_batch_size` of them (no drafts with more running), k + 1 rows each."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.worker.cuda_graphs import capture_sizes, max_decode_rows
+
+    path = str(checkpoints["llama"])
+    plain = EngineConfig.create(path, max_num_seqs=16)
+    assert max_decode_rows(plain) == 16
+    spec = {"num_speculative_tokens": 4, "max_batch_size": 6}
+    config = EngineConfig.create(path, max_num_seqs=16, speculative_config=spec)
+    assert max_decode_rows(config) == 6 * 5
+    assert capture_sizes(max_decode_rows(config))[-1] == 32
+    few = EngineConfig.create(path, max_num_seqs=2, speculative_config=spec)
+    assert max_decode_rows(few) == 2 * 5

@@ -42,6 +42,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def max_decode_rows(config: EngineConfig) -> int:
+    """The most rows a decode step has: one per running request, and with speculative decoding
+    `num_speculative_tokens` more per drafting one (its draft verified as decode rows), drafts
+    being made only while at most `max_batch_size` requests run."""
+    seqs, spec = config.scheduler.max_num_seqs, config.speculative
+    if spec is None:
+        return seqs
+    return max(seqs, min(seqs, spec.max_batch_size) * (1 + spec.num_speculative_tokens))
+
+
 def padded_size(n: int, sizes: list[int]) -> int | None:
     """The smallest of the (ascending) `sizes` that holds `n` rows; None if none does."""
     i = bisect.bisect_left(sizes, n)
@@ -223,7 +233,7 @@ def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     from pagedllm.layers.attention.triton_launch import num_decode_splits
     from pagedllm.model.decoder import ForwardContext
 
-    sizes = capture_sizes(config.scheduler.max_num_seqs)
+    sizes = capture_sizes(max_decode_rows(config))  # speculative verification's rows too
     max_len = config.scheduler.max_model_len
     max_blocks = -(-max_len // runner.block_size)
     buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device)
