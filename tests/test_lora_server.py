@@ -232,6 +232,9 @@ def test_gateway_model_names_are_adapters(
     not_found(r, "nope")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=RUNTIME, prompt=PROMPT)  # not loaded yet
+    beams = {"model": "all", "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4}
+    r = httpx.post(f"{gateway}/v1/completions", json=beams)  # never the base model's beams
+    assert r.status_code == 400 and "beam search with a LoRA adapter" in r.text, r.text
     assert complete(client, "all") == offline["all"][0]  # the server is fine
 
 
