@@ -260,3 +260,26 @@ def test_served_settings_take_the_draft_form(checkpoints: dict[str, Path]) -> No
     config = engine_config({"model_dir": str(path), "speculative_config": text}, "cpu")
     assert config.speculative is not None and config.speculative.method == "draft_model"
     assert config.speculative.model == str(path)
+
+
+def test_rejection_rule_emits_the_target_distribution() -> None:
+    """The rule against its oracle, p itself: over many draws (the drafts drawn from q), the
+    first emitted token is distributed as p_0 and, after an accepted first draft, the second
+    as p_1 — with q far enough from p that drawing a rejection's token from p instead of
+    max(0, p - q) would be off by 0.1 in total variation."""
+    from pagedllm.worker.rejection import draw, rejection_sample
+
+    p = torch.tensor([[0.5, 0.3, 0.1, 0.1, 0.0], [0.1, 0.1, 0.2, 0.3, 0.3], [0.2] * 5])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.2, 0.4], [0.4, 0.3, 0.1, 0.1, 0.1]])
+    torch.manual_seed(0)
+    n = 40_000
+    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True) for i in range(2)], 1)
+    first, second = torch.zeros(5), torch.zeros(5)
+    for d in drafts.tolist():
+        tokens = rejection_sample(p, q, d, None)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:  # d_1 was accepted: the next token follows p_1
+            second[tokens[1]] += 1
+    assert (first / n - p[0]).abs().sum() / 2 < 0.015
+    assert (second / second.sum() - p[1]).abs().sum() / 2 < 0.025
+    assert draw(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([0.99])) == [1]
