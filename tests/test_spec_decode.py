@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError
-from pagedllm.core.spec_decode import ngram_propose
+from pagedllm.core.spec_decode import _Acceptance, ngram_propose
 from pagedllm.outputs import RequestOutput
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.text import Tokenizer
@@ -41,6 +41,24 @@ def test_ngram_propose_takes_the_latest_longest_match() -> None:
     assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []  # 4 never occurred before
     assert ngram_propose([1, 2, 3, 9, 2, 3], 3, 3, 3) == []  # n_min 3: [9, 2, 3] is new
     assert ngram_propose([7], 3, 1, 3) == []
+
+
+def test_backoff_pauses_grow_while_drafts_fail() -> None:
+    """Low acceptance pauses a request's drafts, twice as long each time in a row (capped),
+    until a draft is accepted again."""
+    state = _Acceptance()
+    pauses, drafts = [], 0
+    while len(pauses) < 6:
+        state.update(0.0, 0.2)
+        drafts += 1
+        if state.skip:
+            pauses.append(state.skip)
+            state.skip = 0
+    assert pauses == [8, 16, 32, 64, 64, 64]
+    assert drafts == 3 + 5  # the average falls from 1 below 0.2 in 3, then 1 try a pause
+    state.update(0.5, 0.2)  # accepted: no pause, and the next one is short again
+    state.update(0.0, 0.2)
+    assert state.skip == 8
 
 
 def test_speculative_config_from_vllm_dict() -> None:

@@ -27,8 +27,11 @@ from pagedllm.spec_config import SpeculativeConfig
 if TYPE_CHECKING:
     from pagedllm.core.scheduler import Scheduler
 
-# a request whose acceptance fell below `min_acceptance` proposes nothing for this many steps
+# a request whose acceptance fell below `min_acceptance` proposes nothing for this many steps,
+# twice as many after each such pause in a row (up to MAX_BACKOFF_STEPS), until a draft of it
+# is accepted again: on free-form text the failed drafts' cost stays a few percent
 BACKOFF_STEPS = 8
+MAX_BACKOFF_STEPS = 64
 # weight of the newest draft in a request's acceptance average
 ACCEPTANCE_WEIGHT = 0.5
 
@@ -52,6 +55,18 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
 class _Acceptance:
     average: float = 1.0  # the share of drafted tokens accepted, recent drafts weighted most
     skip: int = 0  # steps left without proposals
+    pause: int = BACKOFF_STEPS  # the next pause's length
+
+    def update(self, share: float, min_acceptance: float) -> None:
+        """One verified draft, `share` of it accepted: pause (longer each time in a row) when
+        the average falls below `min_acceptance`."""
+        w = ACCEPTANCE_WEIGHT
+        self.average = (1 - w) * self.average + w * share
+        if self.average < min_acceptance:
+            self.skip, self.pause = self.pause, min(2 * self.pause, MAX_BACKOFF_STEPS)
+            self.average = min_acceptance  # one more try after the pause
+        elif share > 0:
+            self.pause = BACKOFF_STEPS
 
 
 @dataclass
@@ -118,8 +133,4 @@ class SpecDecoder:
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
         state = self._acceptance.setdefault(request, _Acceptance())
-        w = ACCEPTANCE_WEIGHT
-        state.average = (1 - w) * state.average + w * num_accepted / num_drafted
-        if state.average < self.config.min_acceptance:
-            state.skip = BACKOFF_STEPS
-            state.average = self.config.min_acceptance  # one more try after the pause
+        state.update(num_accepted / num_drafted, self.config.min_acceptance)
