@@ -199,7 +199,7 @@ def test_one_call_decode(
     real, with_lora = module.decode_layers, list[bool]()
 
     def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        with_lora.append(bool(args[-2]))  # given a LoRA
+        with_lora.append(bool(args[-3]))  # given a LoRA
         return real(x, *args)
 
     monkeypatch.setattr(module, "decode_layers", counted)

@@ -6,6 +6,7 @@ tests/test_lora.py."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from test_decode_layers import FEATURES, decode_steps, same_bits, tiny_config, t
 
 from pagedllm.layers import quant
 from pagedllm.layers.attention import cpu_kernels
-from pagedllm.lora.ops import LoraStep
+from pagedllm.lora.ops import LoraStep, lora_reference
 from pagedllm.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(
@@ -45,7 +46,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, bool]]]:
     real = module.decode_layers
 
     def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        seen.append((x.shape[0], bool(args[-2])))
+        seen.append((x.shape[0], bool(args[-3])))
         return real(x, *args)
 
     monkeypatch.setattr(module, "decode_layers", counted)
@@ -54,23 +55,30 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, bool]]]:
 
 def random_lora(model: CausalLM, adapts: dict[str, list[bool]]) -> LoraStep:
     """A pool of three slots of random adapters (ranks RANKS) in every layer and module, as
-    lora/slots.py lays it out: A (slots, R, in), B (slots, out, R), zero past a slot's rank."""
+    lora/slots.py lays it out: A (slots, parts * R, in), B (slots, out, parts * R), part j's
+    rank-r block at A's rows [j R, j R + r) and B's rows of part j, columns [j R, j R + r),
+    zeros elsewhere."""
     cfg, dtype = model.config, model.norm.weight.dtype
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     d, i, r = cfg.hidden_size, cfg.intermediate_size, max(RANKS)
     shapes = {"qkv": (q + 2 * kv, d), "o": (d, q), "gate_up": (2 * i, d), "down": (d, i)}
+    parts = {"qkv": [0, q, q + kv], "o": [0], "gate_up": [0, i], "down": [0]}
     gen = torch.Generator().manual_seed(1)
     weights = []
     for _ in range(cfg.num_layers):
         layer = {}
         for module, (out, inp) in shapes.items():
-            a = torch.randn(len(RANKS), r, inp, generator=gen) * 0.1
-            b = torch.randn(len(RANKS), out, r, generator=gen) * 0.1
+            rows = [*parts[module], out]
+            a = torch.zeros(len(RANKS), len(rows[1:]) * r, inp)
+            b = torch.zeros(len(RANKS), out, len(rows[1:]) * r)
             for slot, rank in enumerate(RANKS):
-                a[slot, rank:], b[slot, :, rank:] = 0, 0
+                for j, (start, end) in enumerate(itertools.pairwise(rows)):
+                    cols = slice(j * r, j * r + rank)
+                    a[slot, cols] = torch.randn(rank, inp, generator=gen) * 0.1
+                    b[slot, start:end, cols] = torch.randn(end - start, rank, generator=gen) * 0.1
             layer[module] = (a.to(dtype), b.to(dtype))
         weights.append(layer)
-    return LoraStep.create(weights, TOKEN_SLOTS, adapts, torch.device("cpu"))
+    return LoraStep.create(weights, TOKEN_SLOTS, adapts, torch.device("cpu"), parts)
 
 
 def fused_and_op_by_op(
@@ -115,3 +123,16 @@ def test_each_module_delta_counts(module: str, calls: list[tuple[int, bool]]) ->
     assert same_bits(fused, op_by_op)
     base, _ = fused_and_op_by_op(model, calls, None)
     assert not torch.equal(fused[0][0], base[0][0]), f"{module}'s deltas change nothing"
+
+
+def test_parts_equal_the_whole_block_diagonal_b() -> None:
+    """lora_bgmv given a fused module's parts reads only B's diagonal blocks: the same deltas
+    as the per-token reference over the whole B, fp32."""
+    lora = random_lora(tiny_model(tiny_config(), torch.float32), ADAPTS)
+    for module in ("qkv", "gate_up"):
+        a, b = lora.weights[0][module]
+        x = torch.randn(len(TOKEN_SLOTS), a.shape[2], generator=torch.Generator().manual_seed(2))
+        out = torch.zeros(len(TOKEN_SLOTS), b.shape[1])
+        lora.add(0, module, x, out)
+        want = lora_reference(x, a, b, lora.token_slots)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -65,10 +65,12 @@ enum LoraModule : int64_t { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown, kLoraPerLa
 
 // A step's LoRA (lora/ops.py's LoraStep): per layer, (A, B) of each LoraModule (A (slots, R, in),
 // B (slots, out, R); empty where no adapter of the step adapts the module), and each token's
-// slot (-1: the base model); `ab` null: no adapter in the step.
+// slot (-1: the base model); `ab` null: no adapter in the step; per LoraModule, the first row of
+// each projection fused in it (lora_bgmv's parts).
 struct Lora {
   const torch::Tensor* ab;
   const torch::Tensor& slots;
+  const std::vector<std::vector<int64_t>>& parts;
 };
 
 // out (D, out) += the deltas of `module` of layer `layer` for x (D, in), in place: lora.cpp's
@@ -78,7 +80,7 @@ void add_lora(const Lora& lora, int64_t layer, LoraModule module, torch::Tensor&
   if (lora.ab == nullptr) return;
   const torch::Tensor* ab = lora.ab + (layer * kLoraPerLayer + module) * 2;
   if (!present(ab[0])) return;
-  if (!lora_bgmv(out, x, ab[0], ab[1], lora.slots)) refused("lora_bgmv");
+  if (!lora_bgmv(out, x, ab[0], ab[1], lora.slots, lora.parts.at(module))) refused("lora_bgmv");
 }
 
 torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
@@ -245,7 +247,8 @@ torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tens
 // and paged_decode_attention; softcap 0: none; moe_router ... limit: the mixture of experts'
 // settings (MoeStep; moe_router empty where the model has none); lora: a step's LoRA, per layer
 // kLoraPerLayer (A, B) pairs (Lora; empty: no adapter in the step), lora_slots (D,) int64 each
-// token's slot. Returns the last layer's output after the final norm.
+// token's slot, lora_parts each LoraModule's parts. Returns the last layer's output after the
+// final norm.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> rotary,
                             std::vector<std::optional<int64_t>> windows,
@@ -256,7 +259,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::string moe_router, int64_t top_k, bool norm_topk_prob,
                             bool weights_in_model_dtype, std::string expert_activation,
                             double limit, std::vector<torch::Tensor> lora,
-                            torch::Tensor lora_slots) {
+                            torch::Tensor lora_slots,
+                            std::vector<std::vector<int64_t>> lora_parts) {
   ReleaseGil no_gil;  // the whole step: other Python threads run meanwhile
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
@@ -268,10 +272,13 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   const Activation act = parse_activation(activation);
   const MoeStep moe{moe_router, top_k, norm_topk_prob, weights_in_model_dtype, expert_activation,
                     limit};
-  TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == layers * kLoraPerLayer * 2,
-              "decode_layers: ", static_cast<int64_t>(kLoraPerLayer * 2), " LoRA tensors per layer");
+  TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == layers * kLoraPerLayer * 2 &&
+                                static_cast<int64_t>(lora_parts.size()) == kLoraPerLayer),
+              "decode_layers: ", static_cast<int64_t>(kLoraPerLayer * 2),
+              " LoRA tensors per layer, the parts of each LoRA module");
+  const Lora step_lora{lora.empty() ? nullptr : lora.data(), lora_slots, lora_parts};
   const Step step{rotary, slot_mapping, block_tables, context_lens, eps, scale, softcap,
-                  heads, kv_heads, Lora{lora.empty() ? nullptr : lora.data(), lora_slots}};
+                  heads, kv_heads, step_lora};
   const torch::Tensor none;
   torch::Tensor residual;
   const torch::Tensor* post = &none;  // the norm the pending output takes before it joins

@@ -23,19 +23,28 @@ float dot_k(const T* a, const U* x, int64_t k) {
 }
 
 // One token: t = A x (the fp32 rank vector), then out += B t, each output's row of B against t
-// in SIMD lanes.
+// in SIMD lanes; the rows of part j (from parts[j]; one part where `parts` is empty) against
+// t's j-th 1/parts only: a fused module's B is block-diagonal (lora/slots.py), the rest zeros.
 template <typename T>
 void lora_token(const T* x, const T* a, const T* b, T* out, int64_t rank, int64_t k, int64_t m,
-                float* t) {
+                const std::vector<int64_t>& parts, float* t) {
   for (int64_t r = 0; r < rank; ++r) t[r] = dot_k(a + r * k, x, k);
-  for (int64_t o = 0; o < m; ++o) {
-    out[o] = static_cast<T>(static_cast<float>(out[o]) + dot_k(b + o * rank, t, rank));
+  const auto n_parts = std::max<int64_t>(1, static_cast<int64_t>(parts.size()));
+  const int64_t width = rank / n_parts;
+  for (int64_t j = 0; j < n_parts; ++j) {
+    const int64_t begin = parts.empty() ? 0 : parts[j];
+    const int64_t end = j + 1 < n_parts ? parts[j + 1] : m;
+    const float* tj = t + j * width;
+    for (int64_t o = begin; o < end; ++o) {
+      const float delta = dot_k(b + o * rank + j * width, tj, width);
+      out[o] = static_cast<T>(static_cast<float>(out[o]) + delta);
+    }
   }
 }
 
 template <typename T>
 void lora_tokens(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
-                 const int64_t* slots) {
+                 const int64_t* slots, const std::vector<int64_t>& parts) {
   const int64_t n = x.size(0), k = x.size(1), rank = a.size(1), m = b.size(1);
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
@@ -47,7 +56,7 @@ void lora_tokens(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Ten
     for (int64_t i = t0; i < t1; ++i) {
       const int64_t s = slots[i];
       if (s < 0) continue;
-      lora_token(xp + i * k, ap + s * rank * k, bp + s * m * rank, op + i * m, rank, k, m,
+      lora_token(xp + i * k, ap + s * rank * k, bp + s * m * rank, op + i * m, rank, k, m, parts,
                  t.data());
     }
   });
@@ -55,10 +64,13 @@ void lora_tokens(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Ten
 
 }  // namespace
 
+// parts: the first output row of each projection fused in the module (lora/slots.py's part
+// rows: [0, q, q + kv] for q/k/v), B's columns split evenly between them; empty: one part.
 // False (nothing done) for what it does not handle: another device, dtypes that differ,
-// layouts that are not contiguous; the caller then runs the torch path.
+// layouts that are not contiguous, parts that do not split B; the caller then runs the torch
+// path.
 bool lora_bgmv(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
-               torch::Tensor token_slots) {
+               torch::Tensor token_slots, std::vector<int64_t> parts) {
   ReleaseGil no_gil;
   const auto dtype = x.scalar_type();
   for (const auto& t : {out, x, a, b}) {
@@ -70,16 +82,23 @@ bool lora_bgmv(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tenso
       b.size(2) != a.size(1) || out.size(1) != b.size(1) || a.size(0) != b.size(0)) {
     return false;
   }
+  if (!parts.empty()) {
+    const auto n = static_cast<int64_t>(parts.size());
+    if (parts[0] != 0 || a.size(1) % n != 0) return false;
+    for (int64_t j = 1; j < n; ++j) {
+      if (parts[j] < parts[j - 1] || parts[j] > b.size(1)) return false;
+    }
+  }
   const int64_t* slots = token_slots.data_ptr<int64_t>();
   switch (dtype) {
     case torch::kFloat:
-      lora_tokens<float>(out, x, a, b, slots);
+      lora_tokens<float>(out, x, a, b, slots, parts);
       return true;
     case torch::kBFloat16:
-      lora_tokens<at::BFloat16>(out, x, a, b, slots);
+      lora_tokens<at::BFloat16>(out, x, a, b, slots, parts);
       return true;
     case torch::kHalf:
-      lora_tokens<at::Half>(out, x, a, b, slots);
+      lora_tokens<at::Half>(out, x, a, b, slots, parts);
       return true;
     default:
       return false;

@@ -35,6 +35,9 @@ class LoraStep:
     skip: frozenset[str]
     token_slots: torch.Tensor  # (N,) int64, -1: the base model
     kernel: Any  # the C++ extension (a CPU step), else None
+    # module -> the first output row of each projection fused in it (B block-diagonal: the
+    # C++ kernel reads only each part's block); absent: one part
+    parts: dict[str, list[int]]
 
     @staticmethod
     def create(
@@ -42,6 +45,7 @@ class LoraStep:
         token_slots: list[int],
         adapts: dict[str, list[bool]],
         device: torch.device,
+        parts: dict[str, list[int]] | None = None,
     ) -> LoraStep:
         rows: dict[int, list[int]] = {}
         for n, slot in enumerate(token_slots):
@@ -56,13 +60,13 @@ class LoraStep:
         skip = frozenset(m for m, flags in adapts.items() if not any(flags[s] for s in rows))
         slots = torch.tensor(token_slots, dtype=torch.int64, device=device)
         kernel = cpu_kernels.kernel_module() if device.type == "cpu" else None
-        return LoraStep(weights, groups, skip, slots, kernel)
+        return LoraStep(weights, groups, skip, slots, kernel, parts or {})
 
-    def kernel_args(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    def kernel_args(self, dtype: torch.dtype) -> tuple[Any, ...] | None:
         """The step as csrc/decoder.cpp's `decode_layers` takes it: per layer, (A, B) of each
-        of MODULES (empty tensors for a module skipped, or absent: an MoE layer's MLP), and the
-        tokens' slots; None where its lora_bgmv would refuse them (not the CPU's extension,
-        weights of another dtype): the layers then run op by op."""
+        of MODULES (empty tensors for a module skipped, or absent: an MoE layer's MLP), the
+        tokens' slots and each module's parts; None where its lora_bgmv would refuse them (not
+        the CPU's extension, weights of another dtype): the layers then run op by op."""
         if self.kernel is None:
             return None
         none = torch.empty(0, dtype=dtype)
@@ -76,7 +80,7 @@ class LoraStep:
                     flat += pair
                 else:
                     return None
-        return flat, self.token_slots
+        return flat, self.token_slots, [self.parts.get(m, []) for m in MODULES]
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out (N, out) += the deltas of `module` of `layer` for x (N, in), in place."""
@@ -85,7 +89,10 @@ class LoraStep:
         pair = self.weights[layer].get(module)
         if pair is None:
             return
-        if self.kernel is not None and self.kernel.lora_bgmv(out, x, *pair, self.token_slots):
+        parts = self.parts.get(module, [])
+        if self.kernel is not None and self.kernel.lora_bgmv(
+            out, x, *pair, self.token_slots, parts
+        ):
             return
         if out.is_cuda:  # two Triton launches, every token (lora/triton_ops.py)
             from pagedllm.lora.triton_ops import lora_bgmv_triton

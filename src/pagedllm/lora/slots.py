@@ -201,7 +201,8 @@ class LoraSlots:
             self.load(slot, request)
         if all(s < 0 for s in token_slots):
             return None
-        return LoraStep.create(self.weights, token_slots, self.adapts, self.device)
+        parts = self._part_rows
+        return LoraStep.create(self.weights, token_slots, self.adapts, self.device, parts)
 
 
 def check_request(slots: LoraSlots | None, request: LoRARequest | None) -> None:

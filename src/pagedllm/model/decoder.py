@@ -348,7 +348,7 @@ class CausalLM(nn.Module):
         return (normed * weight.float()).to(t.dtype).view(t.shape)
 
     def _decode_layers(
-        self, x: torch.Tensor, ctx: ForwardContext, b: DecodeBatch, lora: tuple[Any, Any]
+        self, x: torch.Tensor, ctx: ForwardContext, b: DecodeBatch, lora: tuple[Any, ...]
     ) -> torch.Tensor:
         """The layers and the final norm of a step of decodes, in one C++ call: the same
         kernels in the same order as the op-by-op loop (csrc/decoder.cpp), LoRA included."""

@@ -5,7 +5,7 @@ adapters too)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,14 +48,12 @@ def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
     return flat, rows
 
 
-def lora_args(
-    lora: LoraStep | None, dtype: torch.dtype
-) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+def lora_args(lora: LoraStep | None, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """`decode_layers`' LoRA (its Lora: empty without an adapter in the step); None where it
     cannot add the step's deltas (LoraStep.kernel_args), and the layers run op by op. (Tensor
     parallelism, which shards the adapters, runs op by op anyway: `flatten`.)"""
     if lora is None:
-        return [], torch.empty(0, dtype=torch.int64)
+        return [], torch.empty(0, dtype=torch.int64), []
     return lora.kernel_args(dtype)
 
 
