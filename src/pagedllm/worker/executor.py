@@ -81,8 +81,10 @@ class ShardExecutor:
             plan,
             tp,
         )
-        # latent attention (model/mla.py) runs in torch over the reference backend's metadata
-        backend = config.attention_backend if mcfg.mla is None else "torch"
+        backend = config.attention_backend
+        if mcfg.mla is not None:  # latent attention (model/mla.py): Triton write and decodes
+            triton = backend == "triton" or (backend == "auto" and self.device.type == "cuda")
+            backend = "triton-mla" if triton else "torch"
         if self.device.type == "cpu" and config.cache.cache_dtype in kv_cache_dtype.FP8:
             backend = "torch"  # fp8 on the CPU: the reference path alone (no C++ kernel)
         self.backend = create_attention_backend(backend, str(self.device))
