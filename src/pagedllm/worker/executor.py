@@ -111,7 +111,7 @@ class ShardExecutor:
                 torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_kv)
             ]
         self.kv_caches = spread_kv_caches(kv_caches, hybrid)
-        slots = config.cache.num_state_slots
+        slots = cuda_graphs.state_pool_slots(config, self.device)  # (+ graphs' scratch slot)
         self.states = [] if hybrid is None or not slots else new_states(
             hybrid, slots, config.dtype, self.device)  # fmt: skip
         if rank == 0:
@@ -172,7 +172,8 @@ class ShardExecutor:
             and lora is None
             and self.graphs.can_run(step)
         ):
-            return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
+            states = (plan.state_slots, plan.state_continues)  # (a hybrid model's)
+            return self.graphs.run(step, states)  # a GPU decode step: one CUDA graph replay
         estimator = self.scale_estimator
         backend = estimator or self.backend
         metadata = backend.build_metadata(step)
