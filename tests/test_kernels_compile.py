@@ -3,8 +3,8 @@ H100/H200, sm_100 B200) with no GPU: the launches the runtime makes, recorded th
 project's own launchers over the model shapes we claim (pagedllm.layers.kernel_compile), then
 lowered to cubin by the `triton` wheel's own ptxas, whose report gives registers and spills.
 
-Runs `scripts/kernel_report.py` once, in a process without the interpreter (187 launches per
-architecture, about 550 CPU-seconds: 5 min on two idle cores, much longer on busy ones);
+Runs `scripts/kernel_report.py` once, in a process without the interpreter (220 launches per
+architecture; 37 min on two cores shared with seven other jobs, far less on idle ones);
 docs/gpu.md's resource table must be the one it prints."""
 
 from __future__ import annotations
@@ -142,6 +142,23 @@ def test_gated_delta_shapes_and_dtypes_we_claim_are_covered(report: dict[str, An
 
 
 GDN_KERNELS = ("_conv1d_kernel", "_conv_state_kernel", "_recurrent_kernel")
+
+
+def test_latent_attention_shapes_and_dtypes_we_claim_are_covered(report: dict[str, Any]) -> None:
+    """The MLA kernels (layers/mla_workloads.py): the latent write and the absorbed decode at
+    DeepSeek's 512-wide latent + 64 rope dims, split and not (and the split's reduction at that
+    width), in every dtype."""
+    rows = report["rows"]
+    decode = [r for r in rows if r["kernel"] == "_mla_decode_kernel"]
+    for dtype in ("fp16", "bf16", "fp32"):
+        on = [r for r in decode if r["dtype"] == dtype]
+        assert {r["constexprs"]["SPLIT"] for r in on} == {True, False}, dtype
+        assert {(r["constexprs"]["BLOCK_D"], r["constexprs"]["BLOCK_P"]) for r in on} == {(512, 64)}
+        assert any(r["kernel"] == "_write_latent_kernel" and r["dtype"] == dtype for r in rows)
+        reduce = [r for r in rows if r["kernel"] == "_reduce_splits_kernel"]
+        assert any(r["constexprs"]["BLOCK_D"] == 512 and r["dtype"] == dtype for r in reduce)
+    labels = {w for r in decode for w in r["workloads"]}
+    assert {w.split()[1] for w in labels} == {"DeepSeek-V3", "DeepSeek-V2-Lite"}
 
 
 def test_shared_memory_fits_and_blocks_are_resident(report: dict[str, Any]) -> None:

@@ -63,6 +63,33 @@ def model_dirs(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     return dirs
 
 
+def model_step(
+    tokens: torch.Tensor,
+    tables: torch.Tensor,
+    block_size: int,
+    requests: list[tuple[int, int, int]],
+    num_decodes: int,
+) -> StepInputs:
+    """A step of [(request, start position, new tokens)]: request r's tokens are row r of
+    `tokens`, its blocks row r of `tables`."""
+    positions = torch.cat([torch.arange(p, p + n) for _, p, n in requests])
+    owner = torch.cat([torch.full((n,), r) for r, _, n in requests])
+    starts = [0]
+    for _, _, n in requests:
+        starts.append(starts[-1] + n)
+    return StepInputs(
+        input_ids=tokens[owner, positions],
+        positions=positions,
+        slot_mapping=tables[owner, positions // block_size] * block_size + positions % block_size,
+        query_start_loc=starts,
+        context_lens=[p + n for _, p, n in requests],
+        block_tables=tables[[r for r, _, _ in requests]],
+        num_decodes=num_decodes,
+        logits_indices=torch.tensor(starts[1:]) - 1,
+        block_size=block_size,
+    )
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gemma3"])
 def test_model_forward_matches_reference(tk: ModuleType, model_dirs: Any, arch: str) -> None:
     """Two steps of a tiny model: three prompts (one chunked), then a mixed batch of two
@@ -83,29 +110,9 @@ def test_model_forward_matches_reference(tk: ModuleType, model_dirs: Any, arch: 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(2, mcfg.vocab_size, (3, 40), generator=gen)
 
-    def step(requests: list[tuple[int, int, int]], num_decodes: int) -> StepInputs:
-        # [(request, start position, new tokens)]
-        positions = torch.cat([torch.arange(p, p + n) for _, p, n in requests])
-        owner = torch.cat([torch.full((n,), r) for r, _, n in requests])
-        starts = [0]
-        for _, _, n in requests:
-            starts.append(starts[-1] + n)
-        return StepInputs(
-            input_ids=tokens[owner, positions],
-            positions=positions,
-            slot_mapping=tables[owner, positions // block_size] * block_size
-            + positions % block_size,
-            query_start_loc=starts,
-            context_lens=[p + n for _, p, n in requests],
-            block_tables=tables[[r for r, _, _ in requests]],
-            num_decodes=num_decodes,
-            logits_indices=torch.tensor(starts[1:]) - 1,
-            block_size=block_size,
-        )
-
     steps = [
-        step([(0, 0, 12), (1, 0, 20), (2, 0, 7)], 0),
-        step([(0, 12, 1), (2, 7, 1), (1, 20, 14)], 2),
+        model_step(tokens, tables, block_size, [(0, 0, 12), (1, 0, 20), (2, 0, 7)], 0),
+        model_step(tokens, tables, block_size, [(0, 12, 1), (2, 7, 1), (1, 20, 14)], 2),
     ]
     shape = (num_blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim)
     results = []

@@ -258,16 +258,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
         width = r["constexprs"].get("BLOCK_D")
-        dims = (
-            "-" if width is None else "64" if width <= 64 else "80-128" if width <= 128 else "256"
-        )
+        labels = {64: "64", 128: "80-128"}  # 80 and 96 run as 128
+        dims = "-" if width is None else labels.get(max(width, 64), str(width))
         groups.setdefault((r["kernel"], r["dtype"], dims), []).append(r)
     head = ["kernel", "dtype", "head dim", "tile, warps, stages", "variants", *archs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def options(r: dict[str, Any]) -> str:
         c = r["constexprs"]
-        tile = "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_G", "BLOCK_N") if k in c)
+        tile = "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_G", "BLOCK_H", "BLOCK_N") if k in c)
         return f"{tile or '-'}, {r['num_warps']}, {r['num_stages']}"
 
     def order(key: tuple[str, str, str]) -> tuple[str, str, int]:

@@ -215,6 +215,9 @@ def workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
     from pagedllm.layers.gdn_workloads import gdn_workloads  # Gated-DeltaNet (Qwen3.5)
 
     yield from gdn_workloads(device)
+    from pagedllm.layers.mla_workloads import mla_workloads  # latent attention (DeepSeek)
+
+    yield from mla_workloads(device)
     from pagedllm.lora.workloads import lora_workloads  # the LoRA deltas (lora/triton_ops.py)
 
     yield from lora_workloads(device)

@@ -27,13 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import cpu_kernels
+from pagedllm.layers.attention.torch_ref import TorchAttentionMetadata
 from pagedllm.layers.quant import Weight, linear
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from pagedllm.config import ModelConfig
-    from pagedllm.layers.attention.torch_ref import TorchAttentionMetadata
+    from pagedllm.layers.attention.mla_backend import MlaTritonMetadata
     from pagedllm.mla_config import MlaConfig
 
 
@@ -105,13 +106,13 @@ def mla_forward(
     eps: float,
     rotary: torch.Tensor | None,
     kv_cache: torch.Tensor,
-    m: TorchAttentionMetadata,
+    m: TorchAttentionMetadata | MlaTritonMetadata,
     scale: float,
 ) -> torch.Tensor:
     """(N, hidden) -> (N, heads * v_head_dim), o_proj's input. Writes the new tokens' latents
     and rotated keys into their slots, then attends: the decodes (the first
-    `m.num_decodes` tokens) absorbed, each prefill chunk expanded. `rotary`: (N, 1, rope/2)
-    complex, None for no rotation."""
+    `m.num_decodes` tokens) absorbed (in Triton kernels over a GPU's `MlaTritonMetadata`),
+    each prefill chunk expanded. `rotary`: (N, 1, rope/2) complex, None for no rotation."""
     n, rank, nope = x.shape[0], mla.kv_lora_rank, mla.qk_nope_head_dim
     q_in = x
     if w.q_a_w is not None and w.q_a_norm is not None:
@@ -122,9 +123,18 @@ def mla_forward(
     latent = cpu_kernels.rms_norm(kv_a[:, :rank].contiguous(), w.kv_a_norm, eps)
     k_rope = _rotate(kv_a[:, None, rank:], rotary)[:, 0]
     new = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
-    kv_cache.view(-1, mla.cache_dim).index_copy_(0, m.slot_mapping, new)
-    d, masks, outs = m.num_decodes, m.masks_for(None), []
-    if d:
+    d, outs = m.num_decodes, []
+    if isinstance(m, TorchAttentionMetadata):
+        kv_cache.view(-1, mla.cache_dim).index_copy_(0, m.slot_mapping, new)
+    else:  # a GPU: the write and the decodes in Triton kernels (layers/attention/mla_backend.py)
+        query = torch.cat([absorb_query(q_nope[:d], w), q_rope[:d]], dim=-1)
+        o_lat = m.write_and_decode(new, query, kv_cache, rank, scale)  # (D, heads, rank)
+        outs.append(expand_output(o_lat, w))
+        if m.prefill is None:  # decodes only
+            return outs[0].reshape(n, -1)
+        m = m.prefill
+    masks = m.masks_for(None)
+    if d and not outs:
         blocks = kv_cache.index_select(0, m.decode_block_ids)  # (D * max_blocks, bs, dim)
         ctx = blocks.view(d, -1, mla.cache_dim)  # (D, T, rank + rope)
         outs.append(decode_absorbed(q_nope[:d], q_rope[:d], ctx, masks[0], w, scale))
@@ -147,12 +157,22 @@ def decode_absorbed(
     """Decodes against the cache itself. q_nope (D, heads, nope), q_rope (D, heads, rope), ctx
     (D, T, rank + rope) gathered rows, mask (D, 1, 1, T) -> (D, heads, v_head_dim)."""
     rank = w.w_uk.shape[-1]
-    q_lat = torch.einsum("dhn,hnr->dhr", q_nope, w.w_uk.to(q_nope.dtype))
-    query = torch.cat([q_lat, q_rope], dim=-1)[:, None]  # (D, 1, heads, rank + rope)
+    # (D, 1, heads, rank + rope)
+    query = torch.cat([absorb_query(q_nope, w), q_rope], dim=-1)[:, None]
     # heads are the query rows of the one shared key/value "head"; values: the latents
     keys, values = ctx[:, None], ctx[:, None, :, :rank]
     o_lat = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
-    return torch.einsum("dhr,hvr->dhv", o_lat[:, 0], w.w_uv.to(o_lat.dtype))
+    return expand_output(o_lat[:, 0], w)
+
+
+def absorb_query(q_nope: torch.Tensor, w: MlaWeights) -> torch.Tensor:
+    """q_lat = W_uk^T q_nope per head: (D, heads, nope) -> (D, heads, rank)."""
+    return torch.einsum("dhn,hnr->dhr", q_nope, w.w_uk.to(q_nope.dtype))
+
+
+def expand_output(o_lat: torch.Tensor, w: MlaWeights) -> torch.Tensor:
+    """W_uv times each head's latent mix: (D, heads, rank) -> (D, heads, v_head_dim)."""
+    return torch.einsum("dhr,hvr->dhv", o_lat, w.w_uv.to(o_lat.dtype))
 
 
 def attend_expanded(

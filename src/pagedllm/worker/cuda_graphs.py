@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
 
 MAX_CAPTURE_SIZE = 512
+StateRows = tuple[Sequence[int], Sequence[bool]]  # a hybrid step's state slots, continue flags
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -74,9 +75,18 @@ class DecodeBuffers:
     context_lens: torch.Tensor  # (S,) int32, 0 = padding
     block_tables: torch.Tensor  # (S, max_blocks_per_seq) int32
     logits_indices: torch.Tensor  # (S,) int64 = arange(S): every decode is sampled
+    # a hybrid model's linear-attention state (model/gdn_block.py): each row's slot, whether
+    # it continues from it (1) or starts from zeros (0), the rows' token bounds (arange(S + 1));
+    # padding rows use `pad_slot`, a scratch slot no request holds
+    state_slots: torch.Tensor  # (S,) int32
+    state_init: torch.Tensor  # (S,) int32
+    query_start_loc: torch.Tensor  # (S + 1,) int32
+    pad_slot: int = 0
 
     @staticmethod
-    def allocate(max_size: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
+    def allocate(
+        max_size: int, max_blocks: int, device: torch.device, pad_slot: int = 0
+    ) -> DecodeBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -87,6 +97,10 @@ class DecodeBuffers:
             context_lens=zeros(max_size, dtype=torch.int32),
             block_tables=zeros(max_size, max_blocks, dtype=torch.int32),
             logits_indices=torch.arange(max_size, device=device),
+            state_slots=zeros(max_size, dtype=torch.int32),
+            state_init=zeros(max_size, dtype=torch.int32),
+            query_start_loc=torch.arange(max_size + 1, dtype=torch.int32, device=device),
+            pad_slot=pad_slot,
         )
         buffers.pad(0)
         return buffers
@@ -103,6 +117,10 @@ class DecodeBuffers:
             self.context_lens[:size],
             self.block_tables[:size],
             self.logits_indices[:size],
+            self.state_slots[:size],
+            self.state_init[:size],
+            self.query_start_loc[: size + 1],
+            self.pad_slot,
         )
 
     def pad(self, start: int) -> None:
@@ -111,10 +129,13 @@ class DecodeBuffers:
         self.positions[start:] = 0
         self.slot_mapping[start:] = -1
         self.context_lens[start:] = 0
+        self.state_slots[start:] = self.pad_slot
+        self.state_init[start:] = 0
 
-    def fill(self, step: StepInputs) -> None:
+    def fill(self, step: StepInputs, states: StateRows = ((), ())) -> None:
         """Copy a decode-only step into the first rows, pad the rest. Device-to-device copies
-        and one non-blocking host copy (the context lengths): no synchronization.
+        and non-blocking host copies (the context lengths; a hybrid model's `states`: each
+        request's state slot and whether it continues from it): no synchronization.
 
         NOTE: block-table columns past a row's own blocks keep stale ids; the kernels never
         read past a row's context length."""
@@ -126,8 +147,14 @@ class DecodeBuffers:
         self.positions[:n].copy_(step.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(step.slot_mapping, non_blocking=True)
         self.block_tables[:n, :width].copy_(step.block_tables, non_blocking=True)
-        ctx = host_tensor(step.context_lens, torch.int32, pin=device.type == "cuda")
+        pinned = device.type == "cuda"
+        ctx = host_tensor(step.context_lens, torch.int32, pin=pinned)
         self.context_lens[:n].copy_(ctx, non_blocking=True)
+        slots, continues = states
+        if slots:
+            rows = host_tensor([list(slots), [int(c) for c in continues]], torch.int32, pinned)
+            self.state_slots[:n].copy_(rows[0], non_blocking=True)
+            self.state_init[:n].copy_(rows[1], non_blocking=True)
         self.pad(n)
 
 
@@ -197,12 +224,13 @@ class CudaGraphRunner:
             and step.logits_indices.shape[0] == n
         )
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """(n, vocab) logits of the step's `n` decodes."""
+    def run(self, step: StepInputs, states: StateRows = ((), ())) -> torch.Tensor:
+        """(n, vocab) logits of the step's `n` decodes (`states`: a hybrid model's state slots
+        and continue flags, one per request)."""
         n = len(step.context_lens)
         size = padded_size(n, self.sizes)
         assert size is not None and self.can_run(step)
-        self.buffers.fill(step)
+        self.buffers.fill(step, states)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]
@@ -216,35 +244,60 @@ class Runner(Protocol):
     backend: Any
     block_size: int
     kv_caches: list[torch.Tensor]
+    states: list[Any]  # a hybrid model's state pools (`state_pool_slots` slots each)
     model: Any
 
     def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
 
+def may_capture(config: EngineConfig, device: torch.device) -> bool:
+    """Whether decode graphs may run: a CUDA device, not `enforce_eager`."""
+    return device.type == "cuda" and not config.enforce_eager
+
+
+def state_pool_slots(config: EngineConfig, device: torch.device) -> int:
+    """A hybrid model's state slots per linear layer: the requests' (`num_state_slots`), and
+    where graphs may run one more, the scratch slot their padding rows read and write."""
+    slots = config.cache.num_state_slots or 0
+    return slots + 1 if slots and may_capture(config, device) else slots
+
+
 def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     """The runner's decode graphs: on a CUDA device with a backend that can build decode
-    metadata from device buffers (the Triton one), unless `enforce_eager`. Not captured yet."""
+    metadata from device buffers (the Triton ones, MLA's included), unless `enforce_eager`.
+    Not captured yet. A hybrid model's graphs take each row's state slot from a buffer too."""
     config, backend = runner.config, runner.backend
     decode_metadata = getattr(backend, "decode_metadata", None)
-    if runner.device.type != "cuda" or config.enforce_eager or decode_metadata is None:
+    if not may_capture(config, runner.device) or decode_metadata is None:
         return None
-    if config.model.hybrid is not None:  # linear-attention state slots: steps run eagerly
+    if config.model.hybrid is not None and not runner.states:
         return None
     from pagedllm.layers.attention.triton_launch import num_decode_splits
+    from pagedllm.layers.gated_delta import GdnMeta
     from pagedllm.model.decoder import ForwardContext
+    from pagedllm.model.gdn_block import GdnStep
 
     sizes = capture_sizes(max_decode_rows(config))  # speculative verification's rows too
     max_len = config.scheduler.max_model_len
     max_blocks = -(-max_len // runner.block_size)
-    buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device)
-    kv_heads = runner.model.config.num_kv_heads  # the shard's
+    pad_slot = config.cache.num_state_slots or 0  # the scratch slot past the requests'
+    buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, runner.device, pad_slot)
+    local = runner.model.config  # the shard's
+    programs = local.num_kv_heads  # per decode row: one per KV head (paged decode) ...
+    if local.mla is not None:  # ... or per group of query heads (latent attention)
+        from pagedllm.layers.attention.mla_backend import head_groups
+
+        programs = head_groups(local.num_heads)
     kernel_config = backend.kernel_config(runner.device)
 
     def forward(b: DecodeBuffers) -> torch.Tensor:
         # NOTE: split-K is fixed per graph, for the longest possible context
-        splits = num_decode_splits(b.size, kv_heads, max_len, kernel_config)
+        splits = num_decode_splits(b.size, programs, max_len, kernel_config)
         meta = decode_metadata(b.slot_mapping, b.block_tables, b.context_lens, splits)
         ctx = ForwardContext(runner.rotations(b.positions), runner.kv_caches, backend, meta)
+        if runner.states:  # the recurrent decode step, one token per row, slots from buffers
+            gdn = GdnMeta(b.query_start_loc, b.state_slots, b.state_init, (), (), (), b.size, 1)
+            ctx = ctx._replace(gdn=GdnStep(gdn, runner.states))
         logits: torch.Tensor = runner.model(b.input_ids, ctx, b.logits_indices)
         return logits
 

@@ -81,8 +81,10 @@ class ShardExecutor:
             plan,
             tp,
         )
-        # latent attention (model/mla.py) runs in torch over the reference backend's metadata
-        backend = config.attention_backend if mcfg.mla is None else "torch"
+        backend = config.attention_backend
+        if mcfg.mla is not None:  # latent attention (model/mla.py): Triton write and decodes
+            triton = backend == "triton" or (backend == "auto" and self.device.type == "cuda")
+            backend = "triton-mla" if triton else "torch"
         if self.device.type == "cpu" and config.cache.cache_dtype in kv_cache_dtype.FP8:
             backend = "torch"  # fp8 on the CPU: the reference path alone (no C++ kernel)
         self.backend = create_attention_backend(backend, str(self.device))
@@ -109,7 +111,7 @@ class ShardExecutor:
                 torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(num_kv)
             ]
         self.kv_caches = spread_kv_caches(kv_caches, hybrid)
-        slots = config.cache.num_state_slots
+        slots = cuda_graphs.state_pool_slots(config, self.device)  # (+ graphs' scratch slot)
         self.states = [] if hybrid is None or not slots else new_states(
             hybrid, slots, config.dtype, self.device)  # fmt: skip
         if rank == 0:
@@ -170,7 +172,8 @@ class ShardExecutor:
             and lora is None
             and self.graphs.can_run(step)
         ):
-            return self.graphs.run(step)  # a GPU decode step: one CUDA graph replay
+            states = (plan.state_slots, plan.state_continues)  # (a hybrid model's)
+            return self.graphs.run(step, states)  # a GPU decode step: one CUDA graph replay
         estimator = self.scale_estimator
         backend = estimator or self.backend
         metadata = backend.build_metadata(step)

@@ -13,6 +13,8 @@ _BACKENDS = {
     "cpu": "pagedllm.layers.attention.cpu_backend:CpuAttentionBackend",
     # Triton-language kernels: the GPU path (needs the `triton` package)
     "triton": "pagedllm.layers.attention.triton_backend:TritonAttentionBackend",
+    # latent attention's (model/mla.py) on a GPU: the executor picks it for an MLA model
+    "triton-mla": "pagedllm.layers.attention.mla_backend:MlaTritonBackend",
 }
 
 

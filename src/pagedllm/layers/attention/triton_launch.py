@@ -93,6 +93,21 @@ def prefill_launch(cfg: KernelConfig, dtype: torch.dtype, head_dim: int) -> Laun
     return _override(dataclasses.replace(launch, block_m=block_m), cfg, cfg.prefill_block_n)
 
 
+def mla_launch(cfg: KernelConfig, dtype: torch.dtype, rank: int) -> Launch:
+    """Latent attention's absorbed decode (triton_mla.py): `block_m` query heads per program
+    (16, `tl.dot`'s least rows), `block_n` cached rows of rank + rope per iteration. A
+    512-wide latent (DeepSeek-V2/V3) keeps a (16 x 512) fp32 accumulator: 8 warps, and row tiles
+    that keep a stage's latent rows at 32 KiB; chosen from the compiled kernel (docs/gpu.md):
+    no spills on sm_80/89/90/100."""
+    if pow2(rank) <= 128:
+        launch = Launch(16, 64 if dtype != torch.float32 else 32, num_warps=4, num_stages=2)
+    elif dtype == torch.float32:
+        launch = Launch(16, 16, num_warps=8, num_stages=2)
+    else:
+        launch = Launch(16, 32, num_warps=8, num_stages=2)
+    return _override(launch, cfg, cfg.decode_block_n)
+
+
 def _override(launch: Launch, cfg: KernelConfig, block_n: int | None) -> Launch:
     return dataclasses.replace(
         launch,
