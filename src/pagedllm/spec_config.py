@@ -28,7 +28,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    max_batch_size: int = 4  # measured: 1.46x at batch 1, 0.70x at 8 (docs/speculative.md)
+    max_batch_size: int = 2  # measured crossover: pays at batch 1, not at 4 (speculative.md)
     min_acceptance: float = 0.2
     model: str | None = None  # the draft model's directory
     quantization: str | None = None  # the draft's weights (config.QUANTIZATIONS)
