@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         type=_speculative,
         default=None,
         help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4}\'; sets PAGEDLLM_SPECULATIVE_CONFIG (docs/speculative.md)',
+        '"num_speculative_tokens": 4}\' or \'{"model": DRAFT_DIR, "num_speculative_tokens": 3}\'; '
+        "sets PAGEDLLM_SPECULATIVE_CONFIG (docs/speculative.md)",
     )
     add_lora_arguments(s)
     s.add_argument("--http-port", type=int, default=8000)
