@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from lora_adapters import save_adapter
+from lora_adapters import fp16_copy, save_adapter, trtllm_rows
 from test_server import PROMPT, body, post
 from tritonclient.utils import np_to_triton_dtype
 
@@ -171,3 +172,55 @@ def test_request_parameters_as_vllm_backend_reads_them(
     client.async_stream_infer("tensorrt_llm_bls", inputs, parameters={"x": 1})
     client.stop_stream()
     assert "'x': tensorrt_llm_bls takes no request parameters" in str(errors.get(timeout=60))
+
+
+# --- TensorRT-LLM's lora_task_id (lora_tasks.py) ---------------------------------------------
+
+TASK = 77
+
+
+@pytest.fixture(scope="module")
+def task_adapter(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rank-8 adapter on all seven projections whose fp16 rows are exact (`fp16_copy`)."""
+    root = tmp_path_factory.mktemp("lora-task")
+    peft = save_adapter(checkpoints["llama"], root / "peft", "all", seed=31)
+    return fp16_copy(peft, root / "fp16")
+
+
+def test_lora_task_id_as_tensorrt_llm_serves_it(
+    server: TritonServer, task_adapter: Path, checkpoints: dict[str, Path]
+) -> None:
+    """The first request of a task id carries TensorRT-LLM's rows of a PEFT adapter
+    (tensorrt_llm_bls, its own client's shapes); later ones the id alone (here through the
+    ensemble): each the offline engine's text with that PEFT adapter; an id never sent is
+    TensorRT-LLM's error, and the server answers on."""
+    from test_trtllm_bls import prepare_inputs, run_inference, texts
+
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    lora = LoRARequest("t", 1, str(task_adapter))
+    [out, base] = llm.generate([PROMPT] * 2, params, lora_request=[lora, None], use_tqdm=False)
+    expected = out.outputs[0].text
+    assert expected != base.outputs[0].text
+    weights, config = trtllm_rows(task_adapter)
+    first = prepare_inputs(
+        PROMPT,
+        MAX_TOKENS,
+        False,
+        lora_task_id=np.array([[TASK]], dtype=np.uint64),
+        lora_weights=weights[None],  # [1, N, W], as the client np.load()s it
+        lora_config=config[None],
+    )
+    assert texts(run_inference(server, first)) == [PROMPT + expected]
+    url = f"{server.http_url}/v2/models/ensemble/generate"
+    request = {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    request["exclude_input_in_output"] = True
+    status, text = post(url, {**request, "lora_task_id": TASK})
+    assert status == 200 and json.loads(text)["text_output"] == expected, text
+    status, text = post(url, {**request, "lora_task_id": TASK + 1})
+    assert status == 400, text
+    assert json.loads(text)["error"].endswith(
+        f"LoRA task {TASK + 1} not found in cache. Please send LoRA weights with request"
+    )
+    status, text = post(url, request)
+    assert (status, json.loads(text)["text_output"]) == (200, base.outputs[0].text)
