@@ -16,6 +16,7 @@ from pagedllm.lora.adapter import LoRAError, load_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.trtllm import adapter_from_rows
 from pagedllm.model_config import ModelConfig
+from pagedllm.serving.errors import RequestError
 
 REQUEST = LoRARequest("t", 1)
 
@@ -97,3 +98,39 @@ def test_malformed_rows_are_refused_by_name(
     bad_w, bad_c = edit(weights, config)  # type: ignore[operator]
     with pytest.raises(LoRAError, match=f"^t: .*{__import__('re').escape(message)}"):
         adapter_from_rows(bad_w, bad_c, REQUEST, cfg, max_rank=8)
+
+
+def test_task_cache_keeps_max_cpu_loras_and_evicts_an_idle_one(
+    folder: Path, cfg: ModelConfig
+) -> None:
+    """TensorRT-LLM's cache rules (serving/lora_tasks.py): an id alone after its rows; one
+    task kept (max_cpu_loras 1): a new one waits for none, it evicts the idle one, or is
+    refused while the kept one has a request in flight."""
+    from pagedllm.lora.request import LoRAConfig
+    from pagedllm.lora.slots import LoraSlots
+    from pagedllm.serving.lora_tasks import LoraTasks
+
+    slots = LoraSlots(LoRAConfig(1, 8, 1), cfg, torch.device("cpu"), torch.float32)
+    tasks = LoraTasks(slots, tensor_parallel=1, first_id=3)
+    weights, config = trtllm_rows(folder)
+
+    def send(task: int, rows: bool = True):  # type: ignore[no-untyped-def]
+        tensors = {"lora_task_id": np.array([task], np.uint64)}
+        if rows:
+            tensors |= {"lora_weights": weights, "lora_config": config}
+        return tasks.resolve(tensors.get)
+
+    first = send(1)
+    assert first is not None and first.request.lora_int_id == 3
+    assert 3 in slots.host  # pinned: no folder to read it from again
+    again = send(1, rows=False)
+    assert again is not None and again.request == first.request
+    with pytest.raises(RequestError, match=r"LoRA cache is full .* no done tasks to evict"):
+        send(2)  # task 1 has two requests in flight
+    tasks.release(first)
+    tasks.release(again)
+    second = send(2)
+    assert second is not None and second.request.lora_int_id == 4 and 3 not in slots.host
+    with pytest.raises(RequestError, match=r"^LoRA task 1 not found in cache\. Please send"):
+        send(1, rows=False)
+    assert tasks.resolve({}.get) is None
