@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from lora_server_fixtures import adapters, lora_llm, lora_server, offline  # noqa: F401 (the LoRA server, once a session)
 
 if TYPE_CHECKING:
     from pagedllm import LLM

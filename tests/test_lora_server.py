@@ -1,92 +1,35 @@
-"""LoRA served by a real tritonserver (one server, two PEFT adapters), the way vllm_backend
-users call it: `lora_name` in `sampling_parameters` or in the request's parameters routes a
-request to its adapter, each text equal to the offline engine's with that adapter; an
-unknown name is vllm_backend's error, and the server stays healthy. The same server behind
-the OpenAI gateway, as vLLM's users call it: adapters by model name, `/v1/models`, runtime
-loading and unloading, and vLLM's LoRA gauge."""
+"""LoRA served by a real tritonserver (one server, two PEFT adapters; lora_server_fixtures.py),
+the way vllm_backend and TensorRT-LLM users call it: `lora_name` in `sampling_parameters` or
+in the request's parameters routes a request to its adapter, each text equal to the offline
+engine's with that adapter; an unknown name is vllm_backend's error, and the server stays
+healthy; unknown request parameters are refused; TensorRT-LLM's `lora_task_id` with its
+weights and config rows. The OpenAI gateway in front of it: test_lora_gateway.py."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import queue
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-import jinja2
-import openai
+import numpy as np
 import pytest
-import torch
-import tritonclient.grpc.aio as grpcclient
-from lora_adapters import save_adapter
-from lora_serving import GREEDY, MAX_TOKENS, complete, lora_series, not_found, write_adapter
-from openai_gateway import CHAT_TEMPLATE, running_gateway
+from lora_adapters import fp16_copy, save_adapter, trtllm_rows
+from lora_server_fixtures import NAMES
+from lora_serving import MAX_TOKENS
 from test_server import PROMPT, body, post
 from tritonclient.utils import np_to_triton_dtype
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.lora.request import RUNTIME_LORA_ENV
-from pagedllm.serving.launcher import make_server
 from pagedllm.serving.lora import add_serve_arguments, lora_modules, serve_env
 from pagedllm.serving.tritonserver import TritonServer
 
-NAMES = ("all", "mlp_o")  # two of lora_adapters.ADAPTERS: different ranks and targets
-RUNTIME = "qv"  # a third, loaded while the server runs
-
 
 @pytest.fixture(scope="module")
-def adapters(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("lora-server")
-    base = checkpoints["llama"]
-    return {n: str(save_adapter(base, root / n, n, seed=20)) for n in (*NAMES, RUNTIME)}
-
-
-@pytest.fixture(scope="module")
-def server(
-    checkpoints: dict[str, Path], adapters: dict, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[TritonServer]:
-    env = {
-        "PAGEDLLM_ENABLE_LORA": "true",
-        "PAGEDLLM_MAX_LORAS": "2",
-        "PAGEDLLM_MAX_LORA_RANK": "8",
-        "PAGEDLLM_LORA_MODULES": json.dumps({n: adapters[n] for n in NAMES}),
-        RUNTIME_LORA_ENV: "true",  # the engine obeys the gateway's load and unload
-    }
-    work = tmp_path_factory.mktemp("triton-lora")
-    with make_server(str(checkpoints["llama"]), dtype="float32", work_dir=work, env=env) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def lora_llm(checkpoints: dict[str, Path]) -> LLM:
-    """The offline engine with LoRA on: the oracle."""
-    return LLM(str(checkpoints["llama"]), dtype="float32", enable_lora=True, max_loras=2)
-
-
-def offline_outputs(
-    llm: LLM, adapters: dict, prompt: str, names: tuple[str | None, ...]
-) -> dict[str | None, tuple]:
-    """Each adapter's (text, token ids) for `prompt`, the base model's under None."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    loras = [n and LoRARequest(n, (*NAMES, RUNTIME).index(n) + 1, adapters[n]) for n in names]
-    outs = llm.generate([prompt] * len(loras), params, lora_request=loras, use_tqdm=False)
-    return {
-        name: (o.outputs[0].text, list(o.outputs[0].token_ids))
-        for name, o in zip(names, outs, strict=True)
-    }
-
-
-@pytest.fixture(scope="module")
-def offline(lora_llm: LLM, adapters: dict) -> dict[str | None, tuple]:
-    """Each adapter's (text, token ids), and the base model's under None, from the offline
-    engine."""
-    texts = offline_outputs(lora_llm, adapters, PROMPT, (None, *NAMES, RUNTIME))
-    assert len({tuple(ids) for _, ids in texts.values()}) == 4  # each adapter changes them
-    return texts
+def server(lora_server: TritonServer) -> TritonServer:
+    """The session's LoRA server (lora_server_fixtures.py), not conftest's plain one."""
+    return lora_server
 
 
 def generate(server: TritonServer, **extra: object) -> tuple[int, dict]:
@@ -198,170 +141,53 @@ def test_request_parameters_as_vllm_backend_reads_them(
     assert "'x': tensorrt_llm_bls takes no request parameters" in str(errors.get(timeout=60))
 
 
-# --- the OpenAI gateway (vLLM's LoRA interface) -----------------------------------------------
+# --- TensorRT-LLM's lora_task_id (lora_tasks.py) ---------------------------------------------
+
+TASK = 77
 
 
 @pytest.fixture(scope="module")
-def gateway(
-    server: TritonServer, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """`pagedllm openai` in front of the LoRA server, runtime loading allowed (vLLM's env)."""
-    work = tmp_path_factory.mktemp("lora-gateway")
-    template = work / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    args = ("--chat-template", str(template))
-    env = {RUNTIME_LORA_ENV: "true"}
-    with running_gateway(server, checkpoints["llama"], work / "log", *args, env=env) as url:
-        yield url
+def task_adapter(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rank-8 adapter on all seven projections whose fp16 rows are exact (`fp16_copy`)."""
+    root = tmp_path_factory.mktemp("lora-task")
+    peft = save_adapter(checkpoints["llama"], root / "peft", "all", seed=31)
+    return fp16_copy(peft, root / "fp16")
 
 
-@pytest.fixture(scope="module")
-def client(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
-
-
-BASE = "llama"  # the gateway's name for the base model: its folder's
-
-
-def test_gateway_model_names_are_adapters(
-    client: openai.OpenAI, gateway: str, offline: dict[str | None, tuple]
+def test_lora_task_id_as_tensorrt_llm_serves_it(
+    server: TritonServer, task_adapter: Path, checkpoints: dict[str, Path]
 ) -> None:
-    for name in (None, *NAMES):
-        assert complete(client, name or BASE) == offline[name][0]
-    r = httpx.post(f"{gateway}/v1/completions", json={"model": "nope", "prompt": PROMPT})
-    not_found(r, "nope")
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=RUNTIME, prompt=PROMPT)  # not loaded yet
-    beams = {"model": "all", "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4}
-    r = httpx.post(f"{gateway}/v1/completions", json=beams)  # never the base model's beams
-    assert r.status_code == 400 and "beam search with a LoRA adapter" in r.text, r.text
-    assert complete(client, "all") == offline["all"][0]  # the server is fine
+    """The first request of a task id carries TensorRT-LLM's rows of a PEFT adapter
+    (tensorrt_llm_bls, its own client's shapes); later ones the id alone (here through the
+    ensemble): each the offline engine's text with that PEFT adapter; an id never sent is
+    TensorRT-LLM's error, and the server answers on."""
+    from test_trtllm_bls import prepare_inputs, run_inference, texts
 
-
-def test_gateway_chat_on_an_adapter(client: openai.OpenAI, lora_llm: LLM, adapters: dict) -> None:
-    messages = [{"role": "user", "content": PROMPT}]
-    rendered = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
-    expected = offline_outputs(lora_llm, adapters, rendered, ("mlp_o", None))
-    assert expected["mlp_o"] != expected[None]
-    for name in ("mlp_o", None):
-        out = client.chat.completions.create(model=name or BASE, messages=messages, **GREEDY)  # type: ignore[arg-type]
-        assert (out.model, out.choices[0].message.content) == (name or BASE, expected[name][0])
-
-
-def test_v1_models_lists_the_adapters_under_the_base(
-    gateway: str, checkpoints: dict[str, Path], adapters: dict
-) -> None:
-    cards = httpx.get(f"{gateway}/v1/models").json()["data"]
-    assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
-        (BASE, None, str(checkpoints["llama"])),
-        *((n, BASE, adapters[n]) for n in NAMES),
-    ]
-    card = httpx.get(f"{gateway}/v1/models/mlp_o").json()
-    assert (card["id"], card["parent"], card["object"]) == ("mlp_o", BASE, "model")
-    not_found(httpx.get(f"{gateway}/v1/models/nope"), "nope")
-
-
-def test_load_use_unload_through_the_gateway(
-    client: openai.OpenAI,
-    gateway: str,
-    adapters: dict,
-    offline: dict[str | None, tuple],
-    checkpoints: dict[str, Path],
-    tmp_path: Path,
-) -> None:
-    http = httpx.Client(base_url=gateway, timeout=60)
-    load = {"lora_name": RUNTIME, "lora_path": adapters[RUNTIME]}
-    r = http.post("/v1/load_lora_adapter", json=load)
-    assert (r.status_code, r.text) == (
-        200,
-        f"Success: LoRA adapter '{RUNTIME}' added successfully.",
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    lora = LoRARequest("t", 1, str(task_adapter))
+    [out, base] = llm.generate([PROMPT] * 2, params, lora_request=[lora, None], use_tqdm=False)
+    expected = out.outputs[0].text
+    assert expected != base.outputs[0].text
+    weights, config = trtllm_rows(task_adapter)
+    first = prepare_inputs(
+        PROMPT,
+        MAX_TOKENS,
+        False,
+        lora_task_id=np.array([[TASK]], dtype=np.uint64),
+        lora_weights=weights[None],  # [1, N, W], as the client np.load()s it
+        lora_config=config[None],
     )
-    assert complete(client, RUNTIME) == offline[RUNTIME][0]
-    cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
-    assert (cards[RUNTIME]["parent"], cards[RUNTIME]["root"]) == (BASE, adapters[RUNTIME])
-
-    def refused(path: str, body: dict, status: int, message: str) -> None:
-        r = http.post(path, json=body)
-        assert r.status_code == status and message in r.json()["error"]["message"], r.text
-
-    refused("/v1/load_lora_adapter", load, 400, f"The lora adapter '{RUNTIME}' has already been")
-    r = http.post("/v1/unload_lora_adapter", json={"lora_name": RUNTIME})
-    assert (r.status_code, r.text) == (
-        200,
-        f"Success: LoRA adapter '{RUNTIME}' removed successfully.",
+    assert texts(run_inference(server, first)) == [PROMPT + expected]
+    url = f"{server.http_url}/v2/models/ensemble/generate"
+    request = {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    request["exclude_input_in_output"] = True
+    status, text = post(url, {**request, "lora_task_id": TASK})
+    assert status == 200 and json.loads(text)["text_output"] == expected, text
+    status, text = post(url, {**request, "lora_task_id": TASK + 1})
+    assert status == 400, text
+    assert json.loads(text)["error"].endswith(
+        f"LoRA task {TASK + 1} not found in cache. Please send LoRA weights with request"
     )
-    not_found(http.post("/v1/completions", json={"model": RUNTIME, "prompt": PROMPT}), RUNTIME)
-    refused("/v1/unload_lora_adapter", {"lora_name": RUNTIME}, 404, "cannot be found")
-    assert RUNTIME not in {c["id"] for c in http.get("/v1/models").json()["data"]}
-
-    # refusals, each naming what is wrong
-    refused("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path'")
-    missing = {"lora_name": "x", "lora_path": str(tmp_path / "none")}
-    refused("/v1/load_lora_adapter", missing, 404, "No adapter found for")
-    config = {"r": 16, "lora_alpha": 16, "target_modules": ["q_proj"]}
-    hidden = json.loads((checkpoints["llama"] / "config.json").read_text())["hidden_size"]
-    weights = {  # rank 16, above the server's max_lora_rank of 8
-        f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight": torch.ones(shape)
-        for ab, shape in (("A", (16, hidden)), ("B", (hidden, 16)))
-    }
-    bad = {
-        "rank 16, above max_lora_rank 8": write_adapter(tmp_path / "r16", config, weights),
-        "'c_attn', which the model lacks": write_adapter(
-            tmp_path / "gpt2", {**config, "target_modules": ["c_attn"]}
-        ),
-        "no adapter_model.safetensors": write_adapter(tmp_path / "nofile", config),
-    }
-    for message, path in bad.items():
-        refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path}, 400, message)
-    assert complete(client, BASE) == offline[None][0]  # the server is fine
-
-
-def test_runtime_loading_is_opt_in(
-    server: TritonServer, shared_server: TritonServer, checkpoints: dict[str, Path], adapters: dict
-) -> None:
-    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING the gateway has no such routes (vLLM's 404),
-    and an engine whose process lacks it refuses a load sent to Triton directly."""
-    from starlette.testclient import TestClient
-
-    from pagedllm.openai.app import GatewayConfig, create_app
-    from pagedllm.openai.lora_admin import ask_engine
-
-    config = GatewayConfig(
-        server.grpc_url, str(checkpoints["llama"]), allow_runtime_lora_updating=False
-    )
-    with TestClient(create_app(config)) as http:
-        load = {"lora_name": RUNTIME, "lora_path": adapters[RUNTIME]}
-        assert http.post("/v1/load_lora_adapter", json=load).status_code == 404
-        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 404
-        assert [c["id"] for c in http.get("/v1/models").json()["data"]] == [BASE, *NAMES]
-
-    async def ask(request: dict) -> object:
-        client = grpcclient.InferenceServerClient(shared_server.grpc_url)
-        try:
-            return await ask_engine(client, request)
-        finally:
-            await client.close()
-
-    answer = asyncio.run(ask({"action": "load", "lora_name": "a", "lora_path": adapters["all"]}))
-    assert answer == {
-        "error": f"runtime LoRA updating is off on this server ({RUNTIME_LORA_ENV})",
-        "status": 400,
-    }
-    assert asyncio.run(ask({"action": "list"})) == {"adapters": []}
-
-
-# --- vLLM's LoRA gauge ------------------------------------------------------------------------
-
-
-def test_lora_gauge_names_the_running_adapters(server: TritonServer, client: openai.OpenAI) -> None:
-    start = time.time()
-    complete(client, "mlp_o")
-    deadline = time.monotonic() + 10
-    while True:  # the metrics reach Triton on a thread of their own
-        series = lora_series(server.metrics_url)
-        ran = [t for (m, running, _), t in series.items() if (m, running) == ("2", "mlp_o")]
-        latest = max(series, key=series.__getitem__) if series else None
-        if ran and max(ran) >= start - 1 and latest == ("2", "", ""):
-            break
-        assert time.monotonic() < deadline, series
-        time.sleep(0.2)
+    status, text = post(url, request)
+    assert (status, json.loads(text)["text_output"]) == (200, base.outputs[0].text)

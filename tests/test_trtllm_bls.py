@@ -286,7 +286,7 @@ def test_stop_words_and_the_clients_empty_word_lists(server: TritonServer, llm: 
         ("beam_width", np.int32(11), "beam_width must be in [1, 10], got 11"),
         ("num_return_sequences", np.int32(2), "num_return_sequences must be 1"),
         ("return_context_logits", True, "return_context_logits is not supported"),
-        ("lora_task_id", np.uint64(3), "unexpected inference input 'lora_task_id'"),
+        ("lora_task_id", np.uint64(3), "LoRA feature is not enabled."),
     ],
 )
 def test_what_cannot_be_served_is_refused_by_name(

@@ -114,14 +114,14 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoraA
         if rank > max_rank:
             raise LoRAError(f"adapter {name!r} has rank {rank}, above max_lora_rank {max_rank}")
         scale = alpha / (math.sqrt(rank) if rslora else rank)
-        weights[layer, proj] = (a.contiguous(), _our_rows(b * scale, proj, cfg).contiguous())
+        weights[layer, proj] = (a.contiguous(), our_rows(b * scale, proj, cfg).contiguous())
     if not weights:
         raise LoRAError(f"adapter {name!r} has no LoRA weights in {WEIGHTS_FILE}")
     rank = max(a.shape[0] for a, _ in weights.values())
     return LoraAdapter(request, rank, weights)
 
 
-def _our_rows(b: torch.Tensor, proj: str, cfg: ModelConfig) -> torch.Tensor:
+def our_rows(b: torch.Tensor, proj: str, cfg: ModelConfig) -> torch.Tensor:
     """B's rows changed as the base weight's are (model/layout.py `adapt`)."""
     if proj == "q_proj":
         return interleave_rows(b, cfg.num_heads, cfg.head_dim, cfg.rotary_dim)

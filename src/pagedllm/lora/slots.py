@@ -37,13 +37,23 @@ _PARAMS = {
 
 class HostCache:
     """Adapters read and checked, by `lora_int_id`, the least recently used dropped past
-    `capacity` (read again from their folder when next needed)."""
+    `capacity` (read again from their folder when next needed); adapters given in memory
+    (`pin`: TensorRT-LLM's lora_weights, serving/lora_tasks.py) stay until `unpin`."""
 
     def __init__(self, cfg: ModelConfig, lora: LoRAConfig) -> None:
         self.cfg, self.lora = cfg, lora
         self._adapters: OrderedDict[int, LoraAdapter] = OrderedDict()
+        self._pinned: dict[int, LoraAdapter] = {}
+
+    def pin(self, adapter: LoraAdapter) -> None:
+        self._pinned[adapter.request.lora_int_id] = adapter
+
+    def unpin(self, lora_int_id: int) -> None:
+        self._pinned.pop(lora_int_id, None)
 
     def get(self, request: LoRARequest) -> LoraAdapter:
+        if (pinned := self._pinned.get(request.lora_int_id)) is not None:
+            return pinned
         adapter = self._adapters.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(request, self.cfg, self.lora.max_lora_rank)
@@ -54,7 +64,7 @@ class HostCache:
         return adapter
 
     def __contains__(self, lora_int_id: int) -> bool:
-        return lora_int_id in self._adapters
+        return lora_int_id in self._adapters or lora_int_id in self._pinned
 
 
 class SlotTable:

@@ -39,6 +39,7 @@ from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Fail, IsCancelled, Send, Stream
 from pagedllm.serving.errors import Code, error_code
 from pagedllm.serving.lora import LoRANames
+from pagedllm.serving.lora_tasks import LoraTasks, Task
 from pagedllm.serving.settings import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_QUEUED_REQUESTS
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ class EngineModel:
         self.loras = LoRANames(config.lora is not None, lora_modules or {})
         for lora in self.loras.requests.values():
             check_request(self.engine.runner.lora, lora)
+        # TensorRT-LLM's lora_task_id; the running requests' tasks (stream id -> task)
+        first_id = len(self.loras.requests) + 1
+        self.tasks = LoraTasks(self.engine.runner.lora, config.tensor_parallel_size, first_id)
+        self._task_of: dict[str, Task] = {}
         self._on_dead = on_dead
         self._stopping = stopping
         self.drain_timeout = drain_timeout
@@ -115,7 +120,10 @@ class EngineModel:
         try:
             req = parse_request(get, request_params.parse(parameters))
             lora = self.loras.resolve(req.lora_name)
-            if lora is not None and req.beam is not None:
+            by_task = get("lora_task_id") is not None
+            if lora is not None and by_task:
+                raise RequestError("send lora_name or lora_task_id, not both")
+            if (lora is not None or by_task) and req.beam is not None:
                 raise RequestError("beam search with a LoRA adapter is not supported")
         except RequestError as e:
             fail(str(e), "INVALID_ARG")
@@ -138,7 +146,16 @@ class EngineModel:
             except ValueError as e:
                 fail(str(e), "INVALID_ARG")
                 return
+        try:  # the last check: from here on the task counts a request in flight
+            task = self.tasks.resolve(get)
+        except RequestError as e:
+            fail(str(e), "INVALID_ARG")
+            return
+        if task is not None:
+            lora = task.request
         if not self._admit():
+            if task is not None:
+                self.tasks.release(task)
             fail(
                 f"server busy: {self.max_in_flight} requests are in flight"
                 " (max_num_seqs + max_queued_requests); retry later",
@@ -174,6 +191,8 @@ class EngineModel:
             prompt_top=params.prompt_logprobs or 0,
             polled=not req.downstream_cancel_check,
         )
+        if task is not None:
+            self._task_of[stream.request_id] = task
         self._outbox.put(lambda: self._live.__setitem__(stream.request_id, stream))
 
         def on_output(out: RequestOutput) -> None:
@@ -252,6 +271,8 @@ class EngineModel:
         stream.fail(message, code)
 
     def _done(self, stream: Stream) -> None:
+        if (task := self._task_of.pop(stream.request_id, None)) is not None:
+            self.tasks.release(task)
         self._live.pop(stream.request_id, None)
         self._drained.discard(stream.request_id)
         with self._lock:

@@ -22,6 +22,7 @@ import numpy as np
 from pagedllm.serving import structured
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Tensors
+from pagedllm.serving.lora_tasks import TASK_INPUTS
 from pagedllm.serving.text_models import OPTIONAL, DetokenizerModel, TokenizerModel
 from pagedllm.text.tokenizer import Tokenizer
 
@@ -50,6 +51,7 @@ FORWARDED = (
     "stream",
     "return_log_probs",
     *structured.GUIDE_INPUTS,
+    *TASK_INPUTS,
 )
 WORD_LISTS = ("stop_words", "bad_words")
 # read here, not by the engine
