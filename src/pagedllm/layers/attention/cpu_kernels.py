@@ -81,6 +81,7 @@ _SOURCES = (
     "qgemv_row.cpp",
     "qgemv_packed.cpp",
     "qgemv.cpp",
+    "moe_gemm.cpp",
     "moe.cpp",
     "decoder.cpp",
     "gated_delta.cpp",
