@@ -1,7 +1,7 @@
 """Decode speed of a mixture of experts on this machine, printing one JSON document.
 
-    .venv/bin/python benchmarks/moe_bench.py [--layers 4] [--dtype float32] [--rounds 2]
-        [--batches 1 32] [--threads N] [--clock wall|cpu]
+    .venv/bin/python benchmarks/moe_bench.py [--quick] [--layers 4] [--dtype float32]
+        [--rounds 2] [--batches 1 32] [--settings 1:cpu 2:wall] [--new-tokens 64]
 
 A Qwen3-MoE of Qwen3-30B-A3B's proportions scaled to this machine (hidden 512, 64 experts of
 width 192, top-8: experts' width / hidden = 0.375 as there; `--layers` layers), random, built
@@ -13,17 +13,24 @@ call, csrc/decoder.cpp, the experts in csrc/moe.cpp's fused kernel), against:
   over the experts that have tokens, one matmul per projection each; op by op), the fused
   path's baseline;
 - a dense Qwen3 of the same active parameters (MLP width 8 x 192 = 1536, the same attention).
-Tokens per second of `LLM.generate` at batch 1 and 32 (64-token prompts, 64 new tokens,
-greedy, ignore_eos), per path (the best of `--rounds` rounds, the paths taking turns), the
-fastest forward pass of a step at each batch (ms, wall time: robust to a busy machine, as the
-minimum over the run's steps), and the ratios the issue asks for: fused / loop at batch 32,
-dense / fused at batch 1 (by tok/s and by step).
+Per setting (`threads:clock`: by default one thread timed by the process's CPU clock, robust
+to a busy machine, then two threads by the wall clock, what a user sees), per path and batch
+(64-token prompts, `--new-tokens` greedy tokens, ignore_eos; the paths take turns within each
+of `--rounds` rounds, and each keeps its best round):
+- `batch_B_decode_tok_s`: B / the median forward pass of the run's steps of B decodes (the
+  model alone: what the experts' kernel changes), and `batch_B_step_ms` that median;
+- `batch_B_tok_s`: tokens per second of the whole `LLM.generate` (the prefill of the B
+  prompts included: it runs the experts one by one on every path, past the kernel's rows).
+The ratios the issue asks for, per setting: fused / loop at batch 32 and dense / fused at
+batch 1, by decode steps and end to end. `--quick`: one round of 32 new tokens (a few
+minutes on a quiet 2-core machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -33,8 +40,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from families_bench import tok_per_s
 
 from families import make_family_checkpoint
 
@@ -49,6 +54,7 @@ ATTENTION = dict(
 )
 EXPERTS, TOP_K, WIDTH = 64, 8, 192
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+PROMPT = 64
 
 
 def load(path: Path, dtype: str, one_call: bool = True) -> Any:
@@ -63,11 +69,12 @@ def load(path: Path, dtype: str, one_call: bool = True) -> Any:
 
 
 def measure(
-    llm: Any, batch: int, clock: Callable[[], float], loop: bool = False
-) -> tuple[float, float]:
-    """Decode tok/s at `batch` by `clock`, and the fastest forward pass of its steps of `batch`
-    decodes (ms of wall time: the model alone, the least disturbed); `loop`: the experts one by one
-    (`experts_loop`)."""
+    llm: Any, batch: int, clock: Callable[[], float], new_tokens: int, loop: bool = False
+) -> dict[str, float]:
+    """One `LLM.generate` of `batch` requests timed by `clock`: its tok/s, and the median
+    forward pass of its steps of `batch` decodes (ms) with the decode tok/s that gives; `loop`:
+    the experts one by one (`experts_loop`)."""
+    from pagedllm import SamplingParams
     from pagedllm.layers.moe import experts_loop
     from pagedllm.model import moe_block
 
@@ -75,54 +82,68 @@ def measure(
     steps: list[float] = []
 
     def timed(input_ids: Any, *args: Any) -> Any:
-        start = time.perf_counter()
+        start = clock()
         out = forward(input_ids, *args)
         if input_ids.shape[0] == batch:  # a step of `batch` decodes
-            steps.append(time.perf_counter() - start)
+            steps.append(clock() - start)
         return out
 
+    prompts = [
+        {"prompt_token_ids": [100 + (i * 7 + j) % 4000 for j in range(PROMPT)]}
+        for i in range(batch)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     forward, model.forward = model.forward, timed
     if loop:
         moe_block.fused_experts = experts_loop  # type: ignore[assignment]
     try:
-        return tok_per_s(llm, batch, clock), round(min(steps) * 1e3, 3)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        steps.clear()
+        start = clock()
+        llm.generate(prompts, params, use_tqdm=False)
+        elapsed = clock() - start
     finally:
         moe_block.fused_experts = fused  # type: ignore[assignment]
         model.forward = forward
+    step = statistics.median(steps)
+    return {
+        "tok_s": round(batch * new_tokens / elapsed, 1),
+        "decode_tok_s": round(batch / step, 1),
+        "step_ms": round(step * 1e3, 3),
+    }
 
 
 def race(
-    llms: dict[str, Any], rounds: int, clock: Callable[[], float], batches: list[int]
+    llms: dict[str, Any], rounds: int, clock: Callable[[], float], batches: list[int], new: int
 ) -> dict[str, dict[str, Any]]:
-    """Each path's best tok/s over `rounds` rounds, the paths taking turns within a round (on
+    """Each path's best figures over `rounds` rounds, the paths taking turns within a round (on
     a shared machine the least disturbed run of each, measured side by side)."""
     best: dict[str, dict[str, Any]] = {}
     for r in range(rounds):
-        for name, llm in llms.items():
-            row = best.setdefault(
-                name,
-                {"decode_path": "one_call" if llm.engine.runner.model._kernel_weights else "ops"}
-                | {f"batch_{b}_tok_s": 0.0 for b in batches}
-                | {f"batch_{b}_step_ms": float("inf") for b in batches},
-            )
-            for batch in batches:
-                tok_s, step_ms = measure(llm, batch, clock, loop=name == "loop")
-                row[f"batch_{batch}_tok_s"] = max(row[f"batch_{batch}_tok_s"], tok_s)
-                row[f"batch_{batch}_step_ms"] = min(row[f"batch_{batch}_step_ms"], step_ms)
-            print(f"[bench] round {r} {name}: {row}", file=sys.stderr, flush=True)
+        for batch in batches:
+            for name, llm in llms.items():
+                path = "one_call" if llm.engine.runner.model._kernel_weights else "ops"
+                row = best.setdefault(name, {"decode_path": path})
+                got = measure(llm, batch, clock, new, loop=name == "loop")
+                for key, value in got.items():
+                    old = row.get(f"batch_{batch}_{key}")
+                    better = min if key == "step_ms" else max
+                    row[f"batch_{batch}_{key}"] = value if old is None else better(old, value)
+                print(f"[bench] round {r} batch {batch} {name}: {got}", file=sys.stderr, flush=True)
     return best
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """The issue's ratios, of the batches measured."""
+    """The issue's ratios, of the batches measured: by decode steps and end to end."""
     fused, loop, dense = rows["fused"], rows["loop"], rows["dense_same_active"]
     out = {}
-    if "batch_32_tok_s" in fused:
-        out["fused_over_loop_batch_32"] = round(fused["batch_32_tok_s"] / loop["batch_32_tok_s"], 2)
-    if "batch_1_tok_s" in fused:
-        out["dense_over_fused_batch_1"] = round(dense["batch_1_tok_s"] / fused["batch_1_tok_s"], 2)
-        step = fused["batch_1_step_ms"] / dense["batch_1_step_ms"]
-        out["dense_over_fused_batch_1_step"] = round(step, 2)
+    for kind in ("decode_tok_s", "tok_s"):
+        if f"batch_32_{kind}" in fused:
+            ratio = fused[f"batch_32_{kind}"] / loop[f"batch_32_{kind}"]
+            out[f"fused_over_loop_batch_32_{kind}"] = round(ratio, 2)
+        if f"batch_1_{kind}" in fused:
+            ratio = dense[f"batch_1_{kind}"] / fused[f"batch_1_{kind}"]
+            out[f"dense_over_fused_batch_1_{kind}"] = round(ratio, 2)
     return out
 
 
@@ -132,18 +153,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
-        "--clock",
-        choices=CLOCKS,
-        default="wall",
-        help="wall time, or the process's CPU time (meant for --threads 1 on a busy machine)",
+        "--settings",
+        nargs="+",
+        default=["1:cpu", "2:wall"],
+        help="threads:clock pairs, clock `cpu` (the process's CPU time: one thread on a busy "
+        "machine) or `wall`",
     )
+    ap.add_argument("--quick", action="store_true", help="one round of 32 new tokens")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.new_tokens = 1, 32
     import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     moe = dict(
         ATTENTION,
@@ -156,6 +178,7 @@ def main() -> None:
         initializer_range=0.02,
     )
     dense = dict(ATTENTION, num_hidden_layers=args.layers, intermediate_size=TOP_K * WIDTH)
+    settings = {}
     with tempfile.TemporaryDirectory() as tmp:
         moe_path = make_family_checkpoint(Path(tmp) / "qwen3_moe", "qwen3_moe", **moe)
         dense_path = make_family_checkpoint(Path(tmp) / "qwen3_dense", "qwen3", **dense)
@@ -165,17 +188,19 @@ def main() -> None:
             "loop": load(moe_path, args.dtype, one_call=False),
             "dense_same_active": load(dense_path, args.dtype),
         }
-        rows = race(llms, args.rounds, CLOCKS[args.clock], args.batches)
+        for setting in args.settings:
+            threads, clock = setting.split(":")
+            torch.set_num_threads(int(threads))
+            rows = race(llms, args.rounds, CLOCKS[clock], args.batches, args.new_tokens)
+            settings[setting] = {"threads": int(threads), "clock": clock, "paths": rows}
+            settings[setting] |= ratios(rows)
     doc = {
         "moe": {k: v for k, v in moe.items() if k != "initializer_range"},
         "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": 64,
-        "new_tokens": 64,
+        "prompt_tokens": PROMPT,
+        "new_tokens": args.new_tokens,
         "rounds": args.rounds,
-        "clock": args.clock,
-        "paths": rows,
-        **ratios(rows),
+        "settings": settings,
     }
     print(json.dumps(doc, indent=2))
 

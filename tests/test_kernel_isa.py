@@ -22,6 +22,7 @@ from test_quantization import _formats, _int8_activations
 from pagedllm.layers import quant
 from pagedllm.layers.attention import cpu_kernels
 
+_EMPTY = torch.empty(0)
 # the flags each ISA needs of this CPU (/proc/cpuinfo names)
 ISAS = {"haswell": {"avx2", "fma", "f16c", "bmi2"}, "x86-64-v2": {"sse4_2", "popcnt"}}
 # the flags the kernels branch on (`#if defined(__AVX2__)` ... in src/pagedllm/csrc), and
@@ -42,9 +43,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-# the linear kernels' sources (each includes what it needs) and functions
-LINEAR_SOURCES = ("gemv.cpp", "qgemv_row.cpp", "qgemv_packed.cpp", "qgemv.cpp")
-LINEAR_FUNCTIONS = ("linear_dense", "linear_int8", "linear_int4")
+# the linear kernels' sources (each includes what it needs; the experts' need elementwise.cpp's
+# dtype dispatch) and functions
+LINEAR_SOURCES = (
+    "elementwise.cpp",
+    "gemv.cpp",
+    "qgemv_row.cpp",
+    "qgemv_packed.cpp",
+    "qgemv.cpp",
+    "moe_gemm.cpp",
+    "moe.cpp",
+)
+LINEAR_FUNCTIONS = ("linear_dense", "linear_int8", "linear_int4", "fused_moe")
 
 
 def build(march: str, whole: bool) -> Any:
@@ -109,6 +119,46 @@ def test_linear_kernels_on_another_isa(march: str, builds: dict[tuple[str, bool]
                 out = kernel_linear(module, x, weight, bias)
                 err = (out.double() - expected).abs().max() / expected.abs().max()
                 assert err < 1e-5, (march, n, k, rows, name, err)
+
+
+@pytest.mark.parametrize("march", sorted(ISAS))
+def test_experts_on_another_isa(march: str, builds: dict[tuple[str, bool], Any]) -> None:
+    """csrc/moe.cpp's fused experts (dense: moe_gemm.cpp's tiles of up to 3 rows of x on 8
+    lanes; int8: qgemv.cpp's blocks) against the experts computed in fp64 from the same
+    weights: 1 to 14 tokens on one expert, one on another."""
+    module = _built(march, False, builds)
+    h, inter = 96, 64
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(3, 2 * inter, h) / h**0.5, torch.randn(3, h, inter) / inter**0.5
+    q13 = [quant.quantize(w, "int8") for w in w13]
+    q2 = [quant.quantize(w, "int8") for w in w2]
+    formats = {
+        "fp32": ([w13], [w2], w13, w2, False),
+        "int8": (
+            [torch.stack([q.qweight for q in q13]), torch.stack([q.scales for q in q13]), _EMPTY],
+            [torch.stack([q.qweight for q in q2]), torch.stack([q.scales for q in q2]), _EMPTY],
+            torch.stack([q.dequantize() for q in q13]),
+            torch.stack([q.dequantize() for q in q2]),
+            True,
+        ),
+    }
+    for n in range(1, 15):
+        ids = torch.tensor([1] * n + [2]).view(-1, 1)
+        weights = torch.rand(n + 1, 1)
+        x = torch.randn(n + 1, h)
+        for name, (p13, p2, d13, d2, rounded) in formats.items():
+            out = module.fused_moe(x, weights, ids, p13, None, p2, None, "silu", 7.0, -1)
+            assert out is not None
+            expected = torch.empty(n + 1, h, dtype=torch.float64)
+            for t in range(n + 1):
+                e = int(ids[t, 0])
+                xt = _int8_activations(x[t : t + 1]) if rounded else x[t : t + 1]
+                gate, up = (xt.double() @ d13[e].double().T).chunk(2, -1)
+                act = torch.nn.functional.silu(gate) * up
+                act = _int8_activations(act.float()).double() if rounded else act
+                expected[t] = weights[t, 0] * (act @ d2[e].double().T)[0]
+            err = (out.double() - expected).abs().max() / expected.abs().max()
+            assert err < (1e-3 if rounded else 1e-5), (march, name, n, err)
 
 
 @pytest.mark.parametrize("march", sorted(ISAS))

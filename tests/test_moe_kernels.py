@@ -2,8 +2,8 @@
 `layers.moe_cpu.fused_experts_cpu`) against the per-expert loop `experts_loop` (itself on the
 same linear kernels, so quantized weights meet the same int8-rounded activations), and, for a
 Mixtral-style and a gpt-oss layer, against transformers' own experts modules as an independent
-oracle: every weight format, activation, with and without biases, 1 to 33 tokens, top-1 to
-top-8, experts without tokens and a token routed twice to one expert."""
+oracle: every weight format, activation, with and without biases, 1 to 33 tokens (1 to 70 on
+one expert), top-1 to top-8, experts without tokens and a token routed twice to one expert."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pagedllm.layers import quant
+from pagedllm.layers import moe_cpu, quant
 from pagedllm.layers.attention import cpu_kernels
 from pagedllm.layers.moe import ACTIVATIONS, Experts, experts_loop
 from pagedllm.layers.moe_cpu import fused_experts_cpu
@@ -111,6 +111,37 @@ def test_matches_the_loop(fmt: str, activation: str, n: int, k: int, bias: bool)
 
 
 @pytest.mark.usefixtures("every_row_count")
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_every_row_count_of_one_expert(fmt: str) -> None:
+    """1..70 tokens on one expert (and one each on two others): every edge of the register
+    tiles (csrc/moe_gemm.cpp: up to 6 rows of x per pass on AVX-512, 3 on AVX2, the rows split
+    evenly between passes) and of the quantized kernels' blocks, at widths that are odd
+    multiples of 32 (hidden 160, 96 per expert: 10 and 6 vectors of 16 lanes)."""
+    h, inter, e = 160, 96, 4
+    g = torch.Generator().manual_seed(4)
+    w13 = stacked(torch.randn(e, 2 * inter, h, generator=g) / h**0.5, fmt)
+    w2 = stacked(torch.randn(e, h, inter, generator=g) / inter**0.5, fmt)
+    b13 = None if fmt == "bf16" else torch.randn(e, 2 * inter, generator=g)
+    experts = Experts(w13, w2, b13, None, "silu")
+    x_all = torch.randn(72, h, generator=g)
+    for n in range(1, 71):
+        ids = torch.full((n + 2, 1), 2, dtype=torch.int64)
+        ids[0, 0], ids[-1, 0] = 0, 3
+        weights = torch.rand(n + 2, 1, generator=g)
+        x = x_all[: n + 2]
+        if fmt == "bf16":  # the loop on the same bf16 values in fp32: one rounding apart
+            assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+            exact = Experts(w13.float(), w2.float(), None, None, "silu")
+            expected, tol = experts_loop(x.bfloat16().float(), weights, ids, exact), 2**-8
+            out = fused(x.bfloat16(), weights, ids, experts)
+        else:
+            expected = experts_loop(x, weights, ids, experts)
+            tol = 1e-5 if fmt == "fp32" else 1e-3
+            out = fused(x, weights, ids, experts)
+        assert rel_err(out, expected) < tol, n
+
+
+@pytest.mark.usefixtures("every_row_count")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_with_16bit_activations(fmt: str) -> None:
     """bf16 x with quantized experts: the loop in bf16 (which rounds gate_up, h and y to
@@ -159,8 +190,10 @@ def test_refuses_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
         is None
     )
     monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", dict.fromkeys(quant.KERNEL_MAX_ROWS, 1))
-    crowded = torch.zeros(40, 1, dtype=torch.int64)  # 40 tokens on expert 0, past 32 rows
-    assert fused_experts_cpu(torch.randn(40, H), torch.ones(40, 1), crowded, experts) is None
+    n = max(moe_cpu.MIN_KERNEL_ROWS, moe_cpu.FP32_AVX512_ROWS) + 1  # on expert 0: past the
+    crowded = torch.zeros(n, 1, dtype=torch.int64)  # rows of any CPU
+    assert fused_experts_cpu(torch.randn(n, H), torch.ones(n, 1), crowded, experts) is None
+    assert fused_experts_cpu(x, weights, ids, experts) is not None  # 4 rows: taken
 
 
 def transformers_oracle(kind: str) -> tuple[torch.nn.Module, Experts]:

@@ -7,16 +7,18 @@
 //   1. each expert's rows of x gathered in fp32 (and rounded to int8 for a quantized w13);
 //   2. gate/up: tiles of (expert, block of rows of I), the block's gate rows and up rows
 //      against the expert's rows of x, + bias, act(gate) * up into h (slots, I);
-//   3. down: tiles of (block of rows of H) over all experts, each expert's rows of h (rounded
-//      first for a quantized w2) into y (slots, H) + bias; then, for the same columns, each
-//      token's k rows of y weighted and summed into the output, in x's dtype.
+//   3. down: tiles of (expert, block of rows of H), the expert's rows of h (rounded first for
+//      a quantized w2) into y (slots, H) + bias; then each token's k rows of y weighted and
+//      summed into the output, in x's dtype.
 // The tiles of all experts are shared out to the threads at once (at batch 1 with top-8 each
 // expert has one row: no expert alone keeps two threads busy) by parallel_for_rows (vec.h):
 // in equal ranges where every expert has one row (long sequential reads: 5-15% faster at
-// batch 1 than chunks), else in chunks to whichever thread is free. The linear kernels are
-// gemv.cpp's (dense fp32 / bf16 / fp16) and qgemv.cpp's (int8 / int4 rows, x rounded to int8
-// in groups of 32; qgemv_row.cpp's for an expert's single row) on a range of rows of one
-// expert's weight. Packed weights are not taken.
+// batch 1 than chunks), else in chunks of consecutive tiles to whichever thread is free. Each
+// thread so reads the experts' weights in memory order, a tile's rows after the previous
+// tile's. The dense kernel is moe_gemm.cpp's (fp32 / bf16 / fp16: register tiles of 4 rows of
+// W against up to 6 of x, prefetching ahead of the stream); the quantized ones qgemv.cpp's
+// (int8 / int4 rows, x rounded to int8 in groups of 32; qgemv_row.cpp's for an expert's single
+// row) on a range of rows of one expert's weight. Packed weights are not taken.
 
 namespace {
 
@@ -73,13 +75,7 @@ struct DenseExperts {
   static constexpr bool kRounded = false, kInterleaved = false;
   int64_t row_bytes() const { return k * static_cast<int64_t>(sizeof(T)); }
   void rows(int64_t e, const ExpertRows& in, int64_t r0, int64_t r1, float* y, int64_t ld) const {
-    const DenseW<T> we{w + e * n * k, k};
-    if (in.m >= kTileRows && k % kLanesW == 0) {  // gemm_small's choice (gemv.cpp)
-      const int64_t b1 = r0 / 4 + (r1 - r0) / 4;
-      gemm_blocks(we, in.x, in.m, k, ld, r0 / 4, b1, y);
-      r0 = 4 * b1;
-    }
-    if (r0 < r1) gemv_block(we, in.x, in.m, k, ld, r0, r1, y);
+    expert_gemm(w + e * n * k, k, in.x, in.m, r0, r1, y, ld);  // moe_gemm.cpp
   }
 };
 
@@ -261,26 +257,29 @@ void moe_gate_up(const S& w, const Routing& r, const std::vector<ExpertRows>& in
   });
 }
 
-// Step 3: out (tokens, hidden) in T = the sum over each token's k slots of weight * y, y
-// (slots, hidden) = down(h) + bias the scratch.
+// Step 3: y (slots, hidden) = down(h) + bias, in tiles of (expert, block of rows of H); then
+// out (tokens, hidden) in T = the sum over each token's k slots of weight * y.
 template <typename S, typename T>
 void moe_down(const S& w, const Routing& r, const std::vector<ExpertRows>& in,
               const std::optional<torch::Tensor>& bias, const float* weights, int64_t k,
               int64_t hidden, float* y, T* out) {
   const int64_t block = tile_rows(w.row_bytes()), blocks = (hidden + block - 1) / block;
-  const auto tokens = static_cast<int64_t>(r.slot.size()) / k;
-  parallel_for_rows(r.max_rows, 0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t c0 = b0 * block, c1 = std::min(hidden, b1 * block);
-    for (size_t a = 0; a < r.expert.size(); ++a) {
+  const auto tiles = static_cast<int64_t>(r.expert.size()) * blocks;
+  parallel_for_rows(r.max_rows, 0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t a = t / blocks, c0 = t % blocks * block, c1 = std::min(hidden, c0 + block);
       const int64_t e = r.expert[a], s0 = r.start[a];
       w.rows(e, in[a], c0, c1, y + s0 * hidden, hidden);
       if (bias)
         for (int64_t i = 0; i < in[a].m; ++i) add_bias(y + (s0 + i) * hidden, *bias, e, c0, c1);
     }
-    for (int64_t t = 0; t < tokens; ++t) {
+  });
+  const auto tokens = static_cast<int64_t>(r.slot.size()) / k;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / (k * hidden)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
       const int64_t* slots = r.slot.data() + t * k;
       const float* wt = weights + t * k;
-      for (int64_t c = c0; c < c1; c += kLanes) {
+      for (int64_t c = 0; c < hidden; c += kLanes) {
         fvec acc{};
         for (int64_t j = 0; j < k; ++j) acc += wt[j] * load(y + slots[j] * hidden + c);
         store(out + t * hidden + c, acc);

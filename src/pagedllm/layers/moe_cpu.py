@@ -1,8 +1,9 @@
 """The experts of a mixture-of-experts layer on the CPU in one C++ call (csrc/moe.cpp).
 
 The kernel groups the (token, k) pairs by expert, runs every expert's gate/up, activation and
-down over its tokens with gemv.cpp's and qgemv.cpp's linear kernels (tiles of all experts
-shared by the threads at once), and sums each token's weighted outputs in fp32: what
+down over its tokens (dense weights: csrc/moe_gemm.cpp's register tiles, each weight read once
+for all the expert's tokens; int8 / int4: qgemv.cpp's blocks; tiles of all experts shared by
+the threads at once), and sums each token's weighted outputs in fp32: what
 `experts_loop` computes, without a Python loop over the experts. A quantized expert weight
 meets its activations rounded to int8 in groups of 32, as `linear` does everywhere.
 """
@@ -21,6 +22,12 @@ from pagedllm.layers.quant import QuantizedWeight, Weight
 # loop's Python round per expert costs more (bf16, 64 experts, 32 tokens of top-8, up to ~10
 # per expert, on an AVX-512 BF16 CPU whose 16-bit limit is 8: kernel 5.5 ms, loop 9.0 ms).
 MIN_KERNEL_ROWS = 32
+# fp32 experts on AVX-512: csrc/moe_gemm.cpp's tiles of 4 x 6 keep up with the loop's oneDNN
+# matmul further than the linear kernels' 48 rows (64 experts of 192 x 512, every expert
+# with m tokens, one thread, AMD EPYC Zen 4: loop / kernel 1.26x at m = 64, 1.15x at 96,
+# 0.90x at 128).
+FP32_AVX512_ROWS = 96
+_AVX512 = "avx512f" in cpu_kernels.cpu_flags()
 
 _EMPTY = torch.empty(0)
 
@@ -41,6 +48,8 @@ def max_kernel_rows(experts: Experts) -> int:
         limit = quant.KERNEL_MAX_ROWS["quantized"]
     else:
         limit = quant.KERNEL_MAX_ROWS["fp32" if w.dtype == torch.float32 else "16-bit"]
+        if limit is not None and w.dtype == torch.float32 and _AVX512:
+            limit = max(limit, FP32_AVX512_ROWS)
     return -1 if limit is None else max(limit, MIN_KERNEL_ROWS)
 
 

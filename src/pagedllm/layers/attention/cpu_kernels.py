@@ -81,6 +81,7 @@ _SOURCES = (
     "qgemv_row.cpp",
     "qgemv_packed.cpp",
     "qgemv.cpp",
+    "moe_gemm.cpp",
     "moe.cpp",
     "lora.cpp",  # before decoder.cpp, whose decode_layers adds a step's LoRA deltas by it
     "decoder.cpp",
