@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from lora_server_fixtures import adapters, lora_llm, lora_server, offline  # noqa: F401 (the LoRA server, once a session)
 
 if TYPE_CHECKING:
     from pagedllm import LLM
@@ -219,3 +218,8 @@ def llm(checkpoints: dict[str, Path]) -> LLM:
     from pagedllm import LLM
 
     return LLM(str(checkpoints["llama"]), dtype="float32")
+
+
+# The LoRA server, started once a session for test_lora_server.py and test_lora_gateway.py;
+# imported last: its helpers import this module's.
+from lora_server_fixtures import adapters, lora_llm, lora_server, offline  # noqa: E402, F401
