@@ -88,9 +88,12 @@ def batched_bench(bins: dict[str, Path], model: Path, budget: Budget) -> list[di
     return rows
 
 
-def perplexity(bins: dict[str, Path], model: Path, budget: Budget) -> dict[str, Any]:
+def perplexity(
+    bins: dict[str, Path], model: Path, budget: Budget, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """llama-perplexity on the text (`extra`: more of its flags, e.g. the KV cache's type)."""
     before = common.loadavg()
-    cmd = [str(bins["llama-perplexity"]), "-m", str(model), "-f", str(common.TEXT)]
+    cmd = [str(bins["llama-perplexity"]), "-m", str(model), "-f", str(common.TEXT), *extra]
     cmd += ["-c", str(budget.ppl_ctx), "-b", str(budget.ppl_ctx), "-t", str(common.THREADS)]
     cmd += ["-tb", str(common.THREADS)]
     if budget.ppl_max_chunks:
