@@ -43,17 +43,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-# the linear kernels' sources (each includes what it needs; the experts' need elementwise.cpp's
-# dtype dispatch) and functions
-LINEAR_SOURCES = (
-    "elementwise.cpp",
-    "gemv.cpp",
-    "qgemv_row.cpp",
-    "qgemv_packed.cpp",
-    "qgemv.cpp",
-    "moe_gemm.cpp",
-    "moe.cpp",
-)
+# the linear kernels' sources, the shipped order from elementwise.cpp (the experts need its
+# dtype dispatch) to moe.cpp, and functions
+_ALL = cpu_kernels._SOURCES
+LINEAR_SOURCES = _ALL[_ALL.index("elementwise.cpp") : _ALL.index("moe.cpp") + 1]
 LINEAR_FUNCTIONS = ("linear_dense", "linear_int8", "linear_int4", "fused_moe")
 
 
