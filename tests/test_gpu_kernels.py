@@ -63,8 +63,8 @@ def test_the_device_compiles_what_ci_compiled() -> None:
     is one the stand-in driver recorded for this architecture."""
     from triton import knobs
 
+    from pagedllm.layers.all_workloads import workloads
     from pagedllm.layers.kernel_compile import record_launches
-    from pagedllm.layers.kernel_workloads import workloads
 
     major, minor = torch.cuda.get_device_capability()
     arch = major * 10 + minor

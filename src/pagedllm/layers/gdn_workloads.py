@@ -93,7 +93,7 @@ def _short(dtype: torch.dtype) -> str:
 
 
 def gdn_workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, launches) per shape and dtype, as `kernel_workloads.workloads` yields them."""
+    """(label, launches) per shape and dtype, as `all_workloads.workloads` yields them."""
     for model, shape in GDN_SHAPES.items():
         for dname, dtype in GDN_DTYPES.items():
 

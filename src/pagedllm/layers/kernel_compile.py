@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.layers.kernel_workloads import workloads
+from pagedllm.layers.all_workloads import workloads
 
 
 @dataclass(frozen=True)

@@ -193,9 +193,10 @@ def _short(dtype: torch.dtype) -> str:
     return next(k for k, v in DTYPES.items() if v == dtype)
 
 
-def workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
+def attention_workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
     """(label, a function making the workload's launches on `device`): the same on every
-    architecture (the launch table does not depend on it)."""
+    architecture (the launch table does not depend on it); the other kernels' follow in
+    layers/all_workloads.py."""
     from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 
     for geo in GEOMETRIES:
@@ -209,15 +210,3 @@ def workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
 
             yield f"{geo.model} {dname} hd{geo.head_dim} {geo.label()}", run
     yield "bitmask fp32", lambda: bitmask_launches(device)
-    from pagedllm.layers.moe_workloads import moe_workloads  # the fused-MoE kernels
-
-    yield from moe_workloads(device)
-    from pagedllm.layers.gdn_workloads import gdn_workloads  # Gated-DeltaNet (Qwen3.5)
-
-    yield from gdn_workloads(device)
-    from pagedllm.layers.mla_workloads import mla_workloads  # latent attention (DeepSeek)
-
-    yield from mla_workloads(device)
-    from pagedllm.lora.workloads import lora_workloads  # the LoRA deltas (lora/triton_ops.py)
-
-    yield from lora_workloads(device)

@@ -41,7 +41,7 @@ def run_mla_decodes(heads: int, rank: int, rope: int, dtype: torch.dtype, device
 
 
 def mla_workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, launches) per shape and dtype, as `kernel_workloads.workloads` yields them."""
+    """(label, launches) per shape and dtype, as `all_workloads.workloads` yields them."""
     for model, (heads, rank, rope) in MLA_SHAPES.items():
         for dname, dtype in DTYPES.items():
 

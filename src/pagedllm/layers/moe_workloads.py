@@ -115,7 +115,7 @@ def run_moe_case(case: MoeCase) -> torch.Tensor:
 
 
 def moe_workloads(device: str = "cpu") -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, launches) per shape and dtype, as `kernel_workloads.workloads` yields them."""
+    """(label, launches) per shape and dtype, as `all_workloads.workloads` yields them."""
     for shape in MOE_SHAPES:
         for dname, dtype in MOE_DTYPES.items():
 
