@@ -108,10 +108,12 @@ def test_task_cache_keeps_max_cpu_loras_and_evicts_an_idle_one(
     refused while the kept one has a request in flight."""
     from pagedllm.lora.request import LoRAConfig
     from pagedllm.lora.slots import LoraSlots
+    from pagedllm.serving.lora import LoRANames
     from pagedllm.serving.lora_tasks import LoraTasks
 
     slots = LoraSlots(LoRAConfig(1, 8, 1), cfg, torch.device("cpu"), torch.float32)
-    tasks = LoraTasks(slots, tensor_parallel=1, first_id=3)
+    names = LoRANames(True, {"named": str(folder)})  # id 1
+    tasks = LoraTasks(slots, tensor_parallel=1, new_id=names.new_id)
     weights, config = trtllm_rows(folder)
 
     def send(task: int, rows: bool = True):  # type: ignore[no-untyped-def]
@@ -121,8 +123,8 @@ def test_task_cache_keeps_max_cpu_loras_and_evicts_an_idle_one(
         return tasks.resolve(tensors.get)
 
     first = send(1)
-    assert first is not None and first.request.lora_int_id == 3
-    assert 3 in slots.host  # pinned: no folder to read it from again
+    assert first is not None and first.request.lora_int_id == 2  # after the named adapter's
+    assert 2 in slots.host  # pinned: no folder to read it from again
     again = send(1, rows=False)
     assert again is not None and again.request == first.request
     with pytest.raises(RequestError, match=r"LoRA cache is full .* no done tasks to evict"):
@@ -130,7 +132,10 @@ def test_task_cache_keeps_max_cpu_loras_and_evicts_an_idle_one(
     tasks.release(first)
     tasks.release(again)
     second = send(2)
-    assert second is not None and second.request.lora_int_id == 4 and 3 not in slots.host
+    assert second is not None and 2 not in slots.host
+    late = names.add("late", str(folder))  # a runtime load: one id space with the tasks'
+    ids = [names.requests["named"], first.request, second.request, late]
+    assert len({r.lora_int_id for r in ids}) == 4
     with pytest.raises(RequestError, match=r"^LoRA task 1 not found in cache\. Please send"):
         send(1, rows=False)
     assert tasks.resolve({}.get) is None

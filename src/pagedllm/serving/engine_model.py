@@ -85,8 +85,9 @@ class EngineModel:
         for lora in self.loras.requests.values():
             check_request(self.engine.runner.lora, lora)
         # TensorRT-LLM's lora_task_id; the running requests' tasks (stream id -> task)
-        first_id = len(self.loras.requests) + 1
-        self.tasks = LoraTasks(self.engine.runner.lora, config.tensor_parallel_size, first_id)
+        self.tasks = LoraTasks(
+            self.engine.runner.lora, config.tensor_parallel_size, self.loras.new_id
+        )
         self._task_of: dict[str, Task] = {}
         self._on_dead = on_dead
         self._stopping = stopping

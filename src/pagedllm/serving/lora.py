@@ -7,6 +7,7 @@ request's parameters, and gets vllm_backend's errors for an unknown name or LoRA
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,13 +67,17 @@ class LoRANames:
         self.requests = {
             name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(modules.items())
         }
-        self._next_id = len(self.requests) + 1
+        self._ids = itertools.count(len(self.requests) + 1)
+
+    def new_id(self) -> int:
+        """An adapter id never given before, by this or by the TensorRT-LLM task cache
+        (serving/lora_tasks.py, which takes its ids here): the host cache, the slots and the
+        prefix cache key on ids."""
+        return next(self._ids)
 
     def add(self, name: str, path: str) -> LoRARequest:
-        """A runtime load (`serving.lora_admin`): `name` -> `path` under a new id. Ids are
-        never reused: the host cache, the slots and the prefix cache key on them."""
-        request = LoRARequest(name, self._next_id, path)
-        self._next_id += 1
+        """A runtime load (`serving.lora_admin`): `name` -> `path` under a new id."""
+        request = LoRARequest(name, self.new_id(), path)
         self.requests[name] = request
         return request
 

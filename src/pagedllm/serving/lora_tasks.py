@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,11 +39,13 @@ class LoraTasks:
     """The task ids `llm_engine` holds. `resolve` is called from one thread (Triton's
     `execute`); `release`, once per resolved task, from any."""
 
-    def __init__(self, slots: LoraSlots | None, tensor_parallel: int, first_id: int) -> None:
+    def __init__(
+        self, slots: LoraSlots | None, tensor_parallel: int, new_id: Callable[[], int]
+    ) -> None:
         self._slots, self._tp = slots, tensor_parallel
         self._tasks: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
         self._in_flight: Counter[int] = Counter()
-        self._next_id = first_id  # lora_int_ids after the named adapters' (a new one per load)
+        self._new_id = new_id  # LoRANames.new_id: one id space with the named adapters'
         self._lock = threading.Lock()
 
     def resolve(self, get: Getter) -> Task | None:
@@ -70,7 +73,7 @@ class LoraTasks:
                 return self._acquire(task_id)
         if weights is None or config is None:
             raise RequestError(not_cached(task_id))
-        request = LoRARequest(f"lora_task_id {task_id}", self._next_id, "")
+        request = LoRARequest(f"lora_task_id {task_id}", self._new_id(), "")
         try:
             adapter = adapter_from_rows(
                 weights, config, request, self._slots.cfg, self._slots.config.max_lora_rank
@@ -79,7 +82,6 @@ class LoraTasks:
             raise RequestError(str(e)) from None
         with self._lock:
             self._evict_for_one()
-            self._next_id += 1
             self._slots.host.pin(adapter)
             self._tasks[task_id] = request
             return self._acquire(task_id)
