@@ -219,7 +219,7 @@ def test_one_call_decode(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_deltas_equal_the_reference(dtype: torch.dtype) -> None:
-    """The C++ kernel (every token through its slot) and the grouped torch path (contiguous
+    """The C++ kernel (tokens grouped by slot in C++) and the grouped torch path (contiguous
     runs and gathers) against each token alone."""
     gen = torch.Generator().manual_seed(0)
     slots, rank, d_in, d_out = 3, 6, 40, 72

@@ -136,3 +136,33 @@ def test_parts_equal_the_whole_block_diagonal_b() -> None:
         lora.add(0, module, x, out)
         want = lora_reference(x, a, b, lora.token_slots)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("parts", [[], [0, 60]], ids=["one_part", "two_parts"])
+def test_kernel_rank_tiles_and_token_alone(dtype: torch.dtype, parts: list[int]) -> None:
+    """lora_bgmv past a SIMD register's rank (B's blocks of rows transposed in registers, the
+    rest of the rank and of the rows by the scalar tail), a slot of many tokens and slots of
+    one: the per-token reference's deltas, and each token's deltas the same bits alone as in
+    the mixed call; a slot past the pool refused."""
+    gen = torch.Generator().manual_seed(3)
+    slots, rank, d_in, d_out = 3, 40, 48, 100
+    a = torch.randn(slots, rank, d_in, generator=gen) * 0.1
+    b = torch.randn(slots, d_out, rank, generator=gen) * 0.1
+    if parts:  # block-diagonal, as lora/slots.py lays a fused module out
+        b[:, : parts[1], rank // 2 :] = 0
+        b[:, parts[1] :, : rank // 2] = 0
+    a, b = a.to(dtype), b.to(dtype)
+    token_slots = torch.tensor([1, 0, 1, -1, 2] + [1] * 18)
+    x = torch.randn(len(token_slots), d_in, generator=gen).to(dtype)
+    kernel = cpu_kernels.kernel_module()
+    out = torch.zeros(len(token_slots), d_out, dtype=dtype)
+    assert kernel.lora_bgmv(out, x, a, b, token_slots, parts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    want = lora_reference(x, a, b, token_slots)
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    for n in range(len(token_slots)):
+        alone = torch.zeros(1, d_out, dtype=dtype)
+        assert kernel.lora_bgmv(alone, x[n : n + 1], a, b, token_slots[n : n + 1], parts)
+        assert torch.equal(alone[0], out[n])
+    assert not kernel.lora_bgmv(out, x, a, b, torch.full_like(token_slots, slots), parts)

@@ -74,7 +74,7 @@ struct Lora {
 };
 
 // out (D, out) += the deltas of `module` of layer `layer` for x (D, in), in place: lora.cpp's
-// BGMV over every token, as LoraStep.add runs it op by op after the same linear.
+// grouped kernel over every token, as LoraStep.add runs it op by op after the same linear.
 void add_lora(const Lora& lora, int64_t layer, LoraModule module, torch::Tensor& out,
               const torch::Tensor& x) {
   if (lora.ab == nullptr) return;

@@ -6,8 +6,8 @@ one shrink and one expand matmul per segment), so a layer's module costs at most
 pair per adapter present in the step, whatever the number of requests; a slot whose tokens
 lie in one contiguous run (a single request, or requests of one adapter side by side) is a
 slice, not a gather. On the CPU one C++ call does a module's every token instead
-(csrc/lora.cpp, punica's BGMV: each token through its slot's A and B, tokens over the
-threads), on a GPU two Triton launches (lora/triton_ops.py); the grouped torch path is the
+(csrc/lora.cpp, the same grouping in C++: each slot's A and B read once for all its tokens,
+threads over the slots' rows of A and B), on a GPU two Triton launches (lora/triton_ops.py); the grouped torch path is the
 fallback.
 """
 
