@@ -10,6 +10,9 @@ from pagedllm.errors import ConfigError
 # vLLM's opt-in to loading and unloading adapters while serving ("1" or "true", any case): the
 # OpenAI gateway's routes exist, and the engine obeys them, only where it is set
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# TensorRT-LLM's LoRA inputs (serving/lora_tasks.py); here, where the text models that forward
+# them can import them without torch
+TASK_INPUTS = ("lora_task_id", "lora_weights", "lora_config")
 
 
 def runtime_updating_allowed() -> bool:

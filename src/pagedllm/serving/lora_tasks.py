@@ -15,13 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.lora.adapter import LoRAError
-from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.request import TASK_INPUTS, LoRARequest
 from pagedllm.lora.slots import LoraSlots
 from pagedllm.lora.trtllm import adapter_from_rows
 from pagedllm.serving.codec import Getter
 from pagedllm.serving.errors import RequestError
-
-TASK_INPUTS = ("lora_task_id", "lora_weights", "lora_config")
 
 
 def not_cached(task_id: int) -> str:

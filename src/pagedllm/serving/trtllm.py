@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.lora.request import TASK_INPUTS
 from pagedllm.serving import structured
 from pagedllm.serving.codec import Getter, RequestError, parse_request
 from pagedllm.serving.engine_stream import Tensors
-from pagedllm.serving.lora_tasks import TASK_INPUTS
 from pagedllm.serving.text_models import OPTIONAL, DetokenizerModel, TokenizerModel
 from pagedllm.text.tokenizer import Tokenizer
 
