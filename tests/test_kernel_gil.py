@@ -111,7 +111,10 @@ def test_a_decode_step_releases_the_gil(tmp_path: Path, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int8-packed", "int4-packed"])
 def test_linear_kernels_release_the_gil(fmt: str) -> None:
     torch.manual_seed(0)
-    w = torch.randn(4096, 2048)  # 32 MiB in fp32, 4 in int4: calls of 0.2-4 ms
+    # 32 MiB of weight in every format (calls of ~1-4 ms): on a busy machine a call much
+    # shorter than the ticker's wake-up latency would count too few ticks whatever the GIL does
+    bits = {"fp32": 32, "bf16": 16}.get(fmt, 8 if fmt.startswith("int8") else 4)
+    w = torch.randn(4096 * 32 // bits, 2048)
     x = torch.randn(1, 2048)
     module = cpu_kernels.kernel_module()
     weight: quant.Weight = w.to(torch.bfloat16) if fmt == "bf16" else w
@@ -131,5 +134,5 @@ def test_linear_kernels_release_the_gil(fmt: str) -> None:
 
     with ticking() as ticker:
         call = ticker.wrap(run)
-        for _ in range(50):
+        while ticker.calls < 20 or ticker.time_inside < 0.1:
             assert call() is not None
