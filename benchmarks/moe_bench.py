@@ -1,11 +1,13 @@
 """Decode speed of a mixture of experts on this machine, printing one JSON document.
 
-    .venv/bin/python benchmarks/moe_bench.py [--quick] [--layers 4] [--dtype float32]
-        [--rounds 2] [--batches 1 32] [--settings 1:cpu 2:wall] [--new-tokens 64]
+    .venv/bin/python benchmarks/moe_bench.py [--quick] [--layers 4] [--experts 128]
+        [--dtype bfloat16] [--rounds 2] [--batches 1 32] [--settings 1:cpu 2:wall]
+        [--new-tokens 64]
 
-A Qwen3-MoE of Qwen3-30B-A3B's proportions scaled to this machine (hidden 512, 64 experts of
-width 192, top-8: experts' width / hidden = 0.375 as there; `--layers` layers), random, built
-with transformers' own classes, decoding as the engine does (a step of decodes in one C++
+A Qwen3-MoE of Qwen3-30B-A3B's proportions scaled to this machine (hidden 512, 128 experts
+of width 192, top-8: its expert count and top-k, experts' width / hidden = 0.375 as there;
+bf16 weights, as its checkpoint ships; `--layers` layers), random, built with transformers'
+own classes, decoding as the engine does (a step of decodes in one C++
 call, csrc/decoder.cpp, the experts in csrc/moe.cpp's fused kernel), against:
 - the same model op by op from Python, the experts still fused (`fused_ops`: what the one
   call saves);
@@ -52,7 +54,7 @@ ATTENTION = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
-EXPERTS, TOP_K, WIDTH = 64, 8, 192
+TOP_K, WIDTH = 8, 192
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 PROMPT = 64
 
@@ -150,7 +152,8 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -170,7 +173,7 @@ def main() -> None:
     moe = dict(
         ATTENTION,
         num_hidden_layers=args.layers,
-        num_experts=EXPERTS,
+        num_experts=args.experts,
         num_experts_per_tok=TOP_K,
         moe_intermediate_size=WIDTH,
         intermediate_size=TOP_K * WIDTH,
