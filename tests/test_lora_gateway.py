@@ -72,6 +72,18 @@ def test_gateway_model_names_are_adapters(
     assert complete(client, "all") == offline["all"][0]  # the server is fine
 
 
+def test_tokenize_takes_an_adapter_name(gateway: str, lora_llm: LLM) -> None:
+    """vLLM's /tokenize and /detokenize answer for an adapter's name with the base tokenizer."""
+    ids = lora_llm.engine.tokenizer.encode(PROMPT)
+    for model in (BASE, "mlp_o"):
+        r = httpx.post(f"{gateway}/tokenize", json={"model": model, "prompt": PROMPT})
+        assert r.status_code == 200 and r.json()["tokens"] == ids, r.text
+        r = httpx.post(f"{gateway}/detokenize", json={"model": model, "tokens": ids})
+        assert r.status_code == 200 and r.json()["prompt"] == PROMPT, r.text
+    not_found(httpx.post(f"{gateway}/tokenize", json={"model": "nope", "prompt": "x"}), "nope")
+    not_found(httpx.post(f"{gateway}/detokenize", json={"model": RUNTIME, "tokens": [1]}), RUNTIME)
+
+
 def test_gateway_chat_on_an_adapter(client: openai.OpenAI, lora_llm: LLM, adapters: dict) -> None:
     messages = [{"role": "user", "content": PROMPT}]
     rendered = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)

@@ -106,7 +106,7 @@ class Gateway:
         self.loras = LoRAModels(self.bridge.client, self.model, allow, config.max_body_bytes)
         # vLLM's /tokenize and /detokenize: models checked, templates chosen as here
         self.tokenization = Tokenization(
-            self.tokens, self.model, config.max_body_bytes, self._check_model, self._template
+            self.tokens, self.model, config.max_body_bytes, self.loras.resolve, self._template
         )
         self.embeddings = Embeddings(  # /v1/embeddings: a server with the pooling runner
             self.bridge.client, self.model_name, self._check_model, config.max_body_bytes

@@ -14,8 +14,8 @@
 - `POST /detokenize` `{"model", "tokens"}` answers `{"prompt"}`: the ids' text, special tokens
   kept (`transformers`' `decode`); ids outside the vocabulary are refused, named.
 
-`model` may be left out (vLLM's rule); one that is not the served model answers 404 as on the
-other routes. As vLLM's, both refuse more tokens than `max_model_len` (what `/v1/models`
+`model` may be left out (vLLM's rule); it may name the served model or one of its LoRA
+adapters (which share its tokenizer); any other name answers 404 as on the other routes. As vLLM's, both refuse more tokens than `max_model_len` (what `/v1/models`
 reports).
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any, cast
@@ -101,7 +101,8 @@ def tokenize_body(raw: Any) -> TokenizeRequest:
 
 
 class Tokenization:
-    """The two routes. `check_model` answers 404 for a model not served; `template_of` is the
+    """The two routes. `check_model` answers 404 for a model not served (the base model or an
+    adapter); `template_of` is the
     chat template of a chat request (its own, when the gateway trusts them; else the model's),
     with the same 400s as chat completions."""
 
@@ -110,7 +111,7 @@ class Tokenization:
         tokens: TokenTexts,
         model: ServedModel,
         max_body_bytes: int,
-        check_model: Callable[[str], None],
+        check_model: Callable[[str], Awaitable[object]],
         template_of: Callable[[ChatTemplateFields], ChatTemplate],
     ) -> None:
         self.tokens = tokens
@@ -127,7 +128,7 @@ class Tokenization:
 
     async def tokenize(self, request: Request) -> Response:
         body = tokenize_body(await read_json(request, self.max_body_bytes))
-        self.check_model(body.model or self.model.name)
+        await self.check_model(body.model or self.model.name)
         if isinstance(body, TokenizeChatRequest):
             text, param = self._render(body, self.template_of(body)), "messages"
         else:
@@ -142,7 +143,7 @@ class Tokenization:
     async def detokenize(self, request: Request) -> Response:
         raw = await read_json(request, self.max_body_bytes)
         body = cast(DetokenizeRequest, parse_body(cast(Any, DetokenizeRequest), raw))
-        self.check_model(body.model or self.model.name)
+        await self.check_model(body.model or self.model.name)
         vocab = self.tokens.vocab_size
         bad = [(k, t) for k, t in enumerate(body.tokens) if not 0 <= t < vocab]
         if bad:
