@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from test_server import PROMPT
 
 from pagedllm import LLM
 from pagedllm.lora.request import RUNTIME_LORA_ENV
+from pagedllm.openai.lora_resolver import CACHE_DIR_ENV
 from pagedllm.serving.tritonserver import TritonServer
 
 
@@ -37,14 +39,23 @@ def server(lora_server: TritonServer) -> TritonServer:
 
 @pytest.fixture(scope="module")
 def gateway(
-    server: TritonServer, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    server: TritonServer,
+    checkpoints: dict[str, Path],
+    adapters: dict,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
-    """`pagedllm openai` in front of the LoRA server, runtime loading allowed (vLLM's env)."""
+    """`pagedllm openai` in front of the LoRA server, runtime loading allowed and vLLM's
+    filesystem resolver on (vLLM's env)."""
     work = tmp_path_factory.mktemp("lora-gateway")
     template = work / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     args = ("--chat-template", str(template))
-    env = {RUNTIME_LORA_ENV: "true"}
+    env = {RUNTIME_LORA_ENV: "true", CACHE_DIR_ENV: str(work / "cache")}
+    for name, base in (("found", BASE), ("other_base", "elsewhere")):  # the resolver's folder
+        shutil.copytree(adapters[RUNTIME], work / "cache" / name)
+        config = json.loads((work / "cache" / name / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = base
+        (work / "cache" / name / "adapter_config.json").write_text(json.dumps(config))
     with running_gateway(server, checkpoints["llama"], work / "log", *args, env=env) as url:
         yield url
 
@@ -160,6 +171,22 @@ def test_load_use_unload_through_the_gateway(
     for message, path in bad.items():
         refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path}, 400, message)
     assert complete(client, BASE) == offline[None][0]  # the server is fine
+
+
+def test_the_filesystem_resolver_loads_an_unknown_name(
+    client: openai.OpenAI, gateway: str, offline: dict[str | None, tuple]
+) -> None:
+    """vLLM's lora_filesystem_resolver: `found` (the `qv` adapter's files, for this base) is
+    loaded on first use and then listed; a folder for another base, a name reaching outside the
+    folder and a missing one stay vLLM's 404."""
+    assert complete(client, "found") == offline[RUNTIME][0]
+    assert "found" in {c["id"] for c in httpx.get(f"{gateway}/v1/models").json()["data"]}
+    assert complete(client, "found") == offline[RUNTIME][0]  # now a loaded adapter
+    for name in ("other_base", "../cache/found", "missing"):
+        body = {"model": name, "prompt": PROMPT, "max_tokens": 2}
+        not_found(httpx.post(f"{gateway}/v1/completions", json=body), name)
+    r = httpx.post(f"{gateway}/v1/unload_lora_adapter", json={"lora_name": "found"})
+    assert r.status_code == 200, r.text
 
 
 def test_runtime_loading_is_opt_in(

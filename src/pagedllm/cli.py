@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,8 +39,6 @@ def _generate(args: argparse.Namespace) -> int:
 def _openai(args: argparse.Namespace) -> int:
     from pagedllm.openai.app import GatewayConfig, serve
 
-    # without the flag: GatewayConfig's default (PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE)
-    trust = {"trust_request_chat_template": True} if args.trust_request_chat_template else {}
     config = GatewayConfig(
         triton_url=args.triton_url,
         model_dir=_model_dir(args.model_dir),
@@ -47,8 +46,10 @@ def _openai(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         triton_model=args.triton_model,
         metrics_url=args.metrics_url,
-        **trust,
     )
+    # without the flag: GatewayConfig's default (PAGEDLLM_TRUST_REQUEST_CHAT_TEMPLATE)
+    if args.trust_request_chat_template:
+        config = dataclasses.replace(config, trust_request_chat_template=True)
     return serve(config, args.host, args.port)
 
 

@@ -36,6 +36,7 @@ from pagedllm.openai.chat_fields import ChatTemplateFields, render_chat
 from pagedllm.openai.embeddings import Embeddings
 from pagedllm.openai.errors import APIError, bad_request, from_triton, internal_error
 from pagedllm.openai.lora_admin import LoRAModels, not_found
+from pagedllm.openai.lora_resolver import cache_dir_from_env
 from pagedllm.openai.metrics import MetricsRelay, default_metrics_url
 from pagedllm.openai.models import ServedModel
 from pagedllm.openai.protocol import ChatCompletionRequest, CompletionRequest, Prompt, parse_body
@@ -80,6 +81,8 @@ class GatewayConfig:
     trust_request_chat_template: bool = field(default_factory=_trust_env)
     # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = field(default_factory=runtime_updating_allowed)
+    # vLLM's lora_filesystem_resolver (VLLM_PLUGIN_LORA_CACHE_DIR): unknown names loaded from it
+    lora_cache_dir: str | None = field(default_factory=cache_dir_from_env)
 
     @property
     def model_name(self) -> str:
@@ -103,7 +106,9 @@ class Gateway:
         self.bridge = TritonBridge(config.triton_url, config.triton_model)
         self.model = ServedModel(self.model_name, config.model_dir, self.bridge)
         allow = config.allow_runtime_lora_updating  # the base model and the engine's adapters
-        self.loras = LoRAModels(self.bridge.client, self.model, allow, config.max_body_bytes)
+        self.loras = LoRAModels(
+            self.bridge.client, self.model, allow, config.max_body_bytes, config.lora_cache_dir
+        )
         # vLLM's /tokenize and /detokenize: models checked, templates chosen as here
         self.tokenization = Tokenization(
             self.tokens, self.model, config.max_body_bytes, self.loras.resolve, self._template

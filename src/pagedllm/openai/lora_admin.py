@@ -4,6 +4,8 @@
   sampling parameters the engine reads) and is echoed back; any other name than the base
   model's or a served adapter's is vLLM's 404, "The model `x` does not exist.".
 - `/v1/models` lists the base model, then every adapter with the base as `parent`.
+- vLLM's filesystem resolver (openai/lora_resolver.py): an unknown name found in
+  `VLLM_PLUGIN_LORA_CACHE_DIR` is loaded on first use.
 - `/v1/load_lora_adapter` {lora_name, lora_path} and `/v1/unload_lora_adapter` {lora_name}
   exist only where `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is true (vLLM's opt-in; elsewhere 404),
   with vLLM's answers: a plain-text "Success: ..." or its errors.
@@ -28,6 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
+from pagedllm.openai import lora_resolver
 from pagedllm.openai.errors import APIError
 from pagedllm.openai.models import ENGINE_MODEL, ServedModel
 from pagedllm.openai.request_body import read_json
@@ -82,10 +85,13 @@ class LoRAModels:
         base: ServedModel,
         allow_updates: bool,
         max_body_bytes: int,
+        cache_dir: str | None = None,
     ) -> None:
         self.client, self.base = client, base
         self.allow_updates = allow_updates
         self.max_body_bytes = max_body_bytes
+        # vLLM's filesystem resolver's folder (only with runtime updating allowed)
+        self.cache_dir = cache_dir if allow_updates else None
 
     async def _ask(self, request: dict[str, Any]) -> list[tuple[str, str]]:
         """The adapters (name, folder) after `request`; APIError with the engine's refusal."""
@@ -114,7 +120,15 @@ class LoRAModels:
             return {}
         if any(name == model for name, _ in await self.adapters()):
             return {"lora_name": model}
-        raise not_found(model)
+        folder = self.cache_dir and lora_resolver.resolve(self.cache_dir, model, self.base.name)
+        if not folder:
+            raise not_found(model)
+        try:
+            await self._ask({"action": "load", "lora_name": model, "lora_path": folder})
+        except APIError:  # a request beside this one may have loaded it first
+            if not any(name == model for name, _ in await self.adapters()):
+                raise
+        return {"lora_name": model}
 
     async def cards(self) -> list[dict[str, Any]]:
         """`/v1/models`: the base model's card, then each adapter's."""
