@@ -40,26 +40,6 @@ enum Slot : int64_t {
   kPerLayer = kSharedGate + 4,
 };
 
-// An optional weight of `weights`: given (a defined, non-empty tensor).
-bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
-
-[[noreturn]] void refused(const char* op) {
-  TORCH_CHECK(false, "decode_layers: ", op, " refused");
-  __builtin_unreachable();
-}
-
-torch::Tensor apply(const torch::Tensor* w, const torch::Tensor& x) {
-  const auto bias = present(w[3]) ? std::optional<torch::Tensor>(w[3]) : std::nullopt;
-  std::optional<torch::Tensor> out;
-  switch (w[0].scalar_type()) {
-    case torch::kChar: out = linear_int8(x, w[0], w[1], bias); break;
-    case torch::kByte: out = linear_int4(x, w[0], w[1], w[2], bias); break;
-    default: out = linear_dense(x, w[0], bias);
-  }
-  if (!out) refused("a linear layer");
-  return *out;
-}
-
 // The LoRA modules of a layer in the step's `lora` (lora/ops.py's MODULES): (A, B) each.
 enum LoraModule : int64_t { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown, kLoraPerLayer };
 
@@ -81,12 +61,6 @@ void add_lora(const Lora& lora, int64_t layer, LoraModule module, torch::Tensor&
   const torch::Tensor* ab = lora.ab + (layer * kLoraPerLayer + module) * 2;
   if (!present(ab[0])) return;
   if (!lora_bgmv(out, x, ab[0], ab[1], lora.slots, lora.parts.at(module))) refused("lora_bgmv");
-}
-
-torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  auto out = rms_norm(x, weight, eps);
-  if (!out) refused("rms_norm");
-  return *out;
 }
 
 // `_join` of model/decoder.py: the pending block output x (normed by `post` where the family
@@ -179,10 +153,6 @@ std::tuple<torch::Tensor, torch::Tensor> route_tokens(const torch::Tensor& logit
   if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
   if (m.weights_in_model_dtype) weights = weights.to(logits.scalar_type()).to(torch::kFloat);
   return {weights, ids};
-}
-
-std::optional<torch::Tensor> given(const torch::Tensor& t) {
-  return present(t) ? std::optional<torch::Tensor>(t) : std::nullopt;
 }
 
 // `moe_forward` of model/moe_block.py (no tensor parallelism) on x (D, hidden): the experts
