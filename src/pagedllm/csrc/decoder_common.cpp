@@ -1,4 +1,4 @@
-// ---- What the one-call decode step (decoder.cpp) shares: a decoder's linears
+// ---- What the one-call decode step (decoder.cpp, mla_decode.cpp) shares: a decoder's linears
 // in every weight format, its RMSNorm, optional weights; each refuses loudly (flatten in
 // model/decoder_kernel.py keeps out what a kernel would refuse).
 
