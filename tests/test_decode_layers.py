@@ -3,8 +3,9 @@ model run op by op from Python: the same kernels in the same order, so the same 
 and log-probs — for every architecture (q/k/v bias, GQA, sliding window) and weight format,
 and every feature a family turns on (q/k norms, norms after the blocks, GeLU, soft-cap,
 softmax scale, per-layer windows and ropes, NoPE; a mixture of experts' routing, ties
-included, fused experts and shared expert). The op-by-op path is itself held to HF
-transformers by test_parity and test_quantization."""
+included, fused experts and shared expert; DeepSeek-V3's latent attention and grouped sigmoid
+router). The op-by-op path is itself held to HF transformers by test_parity,
+test_quantization and test_mla."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_mla import VARIANTS as MLA_VARIANTS
+from test_mla import make_checkpoint as mla_checkpoint
 from test_moe import tied_checkpoint
 
 from conftest import random_prompts
-from families import DENSE, MOE, make_family_checkpoint
+from families import DENSE, MOE, build_family_model, make_family_checkpoint
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig, RopeConfig
 from pagedllm.layers import quant
@@ -106,9 +109,9 @@ def test_one_call_equals_op_by_op(
     check_one_call(checkpoints[arch], fmt, one_call, seed=list(FORMATS).index(fmt))
 
 
-# every family but DeepSeek-V3 (latent attention runs op by op): the mixtures of experts with
-# their router, routing, fused experts and shared expert in the one call too
-ONE_CALL = DENSE + tuple(name for name in MOE if name != "deepseek_v3")
+# every family: the mixtures of experts with their router, routing, fused experts and shared
+# expert in the one call too, DeepSeek-V3's latent attention and grouped router
+ONE_CALL = DENSE + MOE
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,45 @@ def test_tied_routers_one_call_equals_op_by_op(
     """Experts tied at the top-k boundary in every layer: decode_layers breaks the ties as the
     op-by-op path (torch.topk, as HF) does, so the same tokens and log-probs."""
     check_one_call(tied_checkpoint(tmp_path), fmt, one_call, seed=3)
+
+
+def deepseek_tied_checkpoint(path: Path) -> Path:
+    """A random DeepSeek-V3 whose experts 1-3 (of group 0-3) share a router row and a score
+    correction bias in every MoE layer, the row scaled up: when group 0 wins, three experts
+    tie for its two places. The other biases random (transformers' init is zeros)."""
+    model = build_family_model("deepseek_v3")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:  # the first layer dense
+            gate = layer.mlp.gate
+            gate.weight[1:4] = gate.weight[0] * 4
+            bias = gate.e_score_correction_bias
+            bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
+            bias[1:4] = bias[1]
+    model.save_pretrained(path)
+    make_family_checkpoint(path / "tok", "deepseek_v3")  # its tokenizer files
+    for f in (path / "tok").glob("tok*"):
+        f.rename(path / f.name)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_deepseek_tied_router_one_call_equals_op_by_op(
+    fmt: str, tmp_path: Path, one_call: list[int]
+) -> None:
+    """DeepSeek's grouped sigmoid router with experts tied at the top-k boundary: the one call
+    breaks the ties as the op-by-op path (torch.topk, as HF) does."""
+    check_one_call(deepseek_tied_checkpoint(tmp_path), fmt, one_call, seed=4)
+
+
+@pytest.mark.parametrize("variant", ["q_proj", "yarn_half_split"])
+def test_latent_attention_variants_one_call_equals_op_by_op(
+    variant: str, tmp_path: Path, one_call: list[int]
+) -> None:
+    """test_mla's latent attention without q_lora (q_proj straight from the hidden state,
+    biases on kv_a_proj_with_mqa and o_proj), and with yarn's mscale in the softmax scale."""
+    path = mla_checkpoint(tmp_path, **MLA_VARIANTS[variant])
+    check_one_call(path, "bf16", one_call, seed=5)
 
 
 def test_steps_with_a_prefill_run_op_by_op(checkpoints: dict[str, Path]) -> None:

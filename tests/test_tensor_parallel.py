@@ -145,7 +145,13 @@ def test_log_probs_equal_one_ranks_within_tolerance(checkpoints: dict[str, Path]
             str(checkpoints["qwen2"]), dtype="float32", device="cpu", tensor_parallel_size=world
         ) as llm:
             runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, False))
-    for one, two in zip(*runs, strict=True):
+    assert_same_tokens_and_log_probs(*runs)
+
+
+def assert_same_tokens_and_log_probs(ones: list, twos: list, tolerance: float = 1e-4) -> None:
+    """Two runs' outputs of the same requests: the same tokens, and their sampled and prompt
+    log-probs (the top ones of each position) within `tolerance`."""
+    for one, two in zip(ones, twos, strict=True):
         assert one.outputs[0].token_ids == two.outputs[0].token_ids
         pairs = [
             (a[t].logprob, b[t].logprob)
@@ -158,7 +164,7 @@ def test_log_probs_equal_one_ranks_within_tolerance(checkpoints: dict[str, Path]
             for t in a
         ]
         assert len(pairs) > 20
-        assert max(abs(x - y) for x, y in pairs) < 1e-4
+        assert max(abs(x - y) for x, y in pairs) < tolerance
 
 
 # --- the workers' lifecycle --------------------------------------------------------------------

@@ -3,11 +3,11 @@
 // gate/up, activation-and-mul and down (or the mixture of experts: router, routing, the
 // experts in moe.cpp's fused_moe, the shared expert), and the final norm, without going back
 // to Python between ops (at batch 1 the ~10 ops of 30 layers cost as much in Python as the
-// attention itself). Every family but latent attention (model/decoder.py, model/moe_block.py):
-// the same kernels (or ATen ops) as its op-by-op path, in the same order, so the results are
-// the same bits (torch.topk's own tie order included). A step's LoRA adapters too: after each
-// adapted linear, its tokens' deltas by lora.cpp's lora_bgmv, as lora/ops.py's LoraStep adds
-// them op by op.
+// attention itself). Every family (model/decoder.py, model/moe_block.py; DeepSeek's latent
+// attention in mla_decode.cpp, its grouped sigmoid router here): the same kernels (or ATen
+// ops) as its op-by-op path, in the same order, so the results are the same bits (torch.topk's
+// own tie order included). A step's LoRA adapters too: after each adapted linear, its tokens'
+// deltas by lora.cpp's lora_bgmv, as lora/ops.py's LoraStep adds them op by op.
 
 namespace {
 
@@ -17,8 +17,10 @@ namespace {
 // (q, scales, mins) int4, an empty tensor for what is absent; then the attention sinks (fp32,
 // one logit per query head; empty: none); last, for a mixture of experts in place of the MLP
 // (all empty for a dense MLP), (w0, w1, w2, bias) of the router, the experts' stacked gate/up
-// (E, 2I, H) and down (E, H, I) (moe.cpp's formats), the shared expert's gate/up and down, and
-// its gate (1, H) (empty: no shared expert, no gate).
+// (E, 2I, H) and down (E, H, I) (moe.cpp's formats), the shared expert's gate/up and down, its
+// gate (1, H) (empty: no shared expert, no gate) and the grouped router's score correction
+// bias (E,) fp32 (empty: none); then a latent-attention layer's MlaSlots in place of q/k/v
+// (all empty for the others: mla_decode.cpp).
 enum Slot : int64_t {
   kLn1,
   kPost1,
@@ -37,28 +39,10 @@ enum Slot : int64_t {
   kSharedGateUp = kExperts2 + 4,
   kSharedDown = kSharedGateUp + 4,
   kSharedGate = kSharedDown + 4,
-  kPerLayer = kSharedGate + 4,
+  kScoreBias = kSharedGate + 4,
+  kMla,
+  kPerLayer = kMla + kMlaSlots,
 };
-
-// An optional weight of `weights`: given (a defined, non-empty tensor).
-bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
-
-[[noreturn]] void refused(const char* op) {
-  TORCH_CHECK(false, "decode_layers: ", op, " refused");
-  __builtin_unreachable();
-}
-
-torch::Tensor apply(const torch::Tensor* w, const torch::Tensor& x) {
-  const auto bias = present(w[3]) ? std::optional<torch::Tensor>(w[3]) : std::nullopt;
-  std::optional<torch::Tensor> out;
-  switch (w[0].scalar_type()) {
-    case torch::kChar: out = linear_int8(x, w[0], w[1], bias); break;
-    case torch::kByte: out = linear_int4(x, w[0], w[1], w[2], bias); break;
-    default: out = linear_dense(x, w[0], bias);
-  }
-  if (!out) refused("a linear layer");
-  return *out;
-}
 
 // The LoRA modules of a layer in the step's `lora` (lora/ops.py's MODULES): (A, B) each.
 enum LoraModule : int64_t { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown, kLoraPerLayer };
@@ -81,12 +65,6 @@ void add_lora(const Lora& lora, int64_t layer, LoraModule module, torch::Tensor&
   const torch::Tensor* ab = lora.ab + (layer * kLoraPerLayer + module) * 2;
   if (!present(ab[0])) return;
   if (!lora_bgmv(out, x, ab[0], ab[1], lora.slots, lora.parts.at(module))) refused("lora_bgmv");
-}
-
-torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  auto out = rms_norm(x, weight, eps);
-  if (!out) refused("rms_norm");
-  return *out;
 }
 
 // `_join` of model/decoder.py: the pending block output x (normed by `post` where the family
@@ -160,29 +138,52 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, Activation act, bool ker
 
 // The mixture-of-experts settings of the model (moe_config.MoeConfig), shared by its layers.
 struct MoeStep {
-  std::string router;  // "softmax" or "topk_softmax" (empty: the model has no experts)
+  // "softmax", "topk_softmax" or "sigmoid_grouped" (empty: the model has no experts)
+  std::string router;
   int64_t top_k;
   bool norm_topk_prob, weights_in_model_dtype;
   std::string activation;  // the experts' (moe.cpp's names)
   double limit;
+  int64_t n_group, topk_group;  // sigmoid_grouped's
+  double routed_scaling;
 };
+
+// `_grouped` of model/moe_block.py (DeepSeek-V3): sigmoid scores; the experts chosen by score
+// + `bias` among the best `topk_group` groups (ranked by the sum of their two best); weights
+// the chosen unbiased scores, renormalised, times routed_scaling.
+std::tuple<torch::Tensor, torch::Tensor> route_grouped(const torch::Tensor& logits,
+                                                       const MoeStep& m,
+                                                       const torch::Tensor& bias) {
+  const int64_t n = logits.size(0), per_group = logits.size(1) / m.n_group;
+  const auto scores = logits.to(torch::kFloat).sigmoid();
+  auto choice = present(bias) ? scores + bias : scores;
+  const auto group_scores =
+      std::get<0>(choice.view({n, m.n_group, per_group}).topk(2, -1)).sum(-1);
+  const auto groups = std::get<1>(at::topk(group_scores, m.topk_group, -1, true, false));
+  const auto keep = at::zeros_like(group_scores).scatter_(1, groups, 1).to(torch::kBool);
+  choice = choice.masked_fill(keep.bitwise_not().repeat_interleave(per_group, 1),
+                              -std::numeric_limits<double>::infinity());
+  const auto ids = std::get<1>(at::topk(choice, m.top_k, -1, true, false));
+  auto weights = scores.gather(1, ids);
+  if (m.norm_topk_prob) weights = weights / (weights.sum(-1, true) + 1e-20);
+  return {weights * m.routed_scaling, ids};
+}
 
 // `route` of model/moe_block.py: router logits (D, E) -> the top-k experts' weights (fp32) and
 // ids, by the same ATen ops (torch.topk's ties).
-std::tuple<torch::Tensor, torch::Tensor> route_tokens(const torch::Tensor& logits, const MoeStep& m) {
+std::tuple<torch::Tensor, torch::Tensor> route_tokens(const torch::Tensor& logits,
+                                                      const MoeStep& m, const torch::Tensor& bias) {
+  if (m.router == "sigmoid_grouped") return route_grouped(logits, m, bias);
   if (m.router == "topk_softmax") {
     auto [values, ids] = at::topk(logits, m.top_k, -1);
     return {at::softmax(values, -1).to(torch::kFloat), ids};
   }
-  TORCH_CHECK(m.router == "softmax", "decode_layers: router softmax or topk_softmax");
+  TORCH_CHECK(m.router == "softmax",
+              "decode_layers: router softmax, topk_softmax or sigmoid_grouped");
   auto [weights, ids] = at::topk(at::softmax(logits.to(torch::kFloat), -1), m.top_k, -1);
   if (m.norm_topk_prob) weights.div_(weights.sum(-1, true));
   if (m.weights_in_model_dtype) weights = weights.to(logits.scalar_type()).to(torch::kFloat);
   return {weights, ids};
-}
-
-std::optional<torch::Tensor> given(const torch::Tensor& t) {
-  return present(t) ? std::optional<torch::Tensor>(t) : std::nullopt;
 }
 
 // `moe_forward` of model/moe_block.py (no tensor parallelism) on x (D, hidden): the experts
@@ -190,7 +191,7 @@ std::optional<torch::Tensor> given(const torch::Tensor& t) {
 torch::Tensor moe_block(const torch::Tensor* w, const torch::Tensor& x, const MoeStep& m,
                         Activation act) {
   const torch::Tensor router_x = w[kRouter].scalar_type() == torch::kFloat ? x.to(torch::kFloat) : x;
-  auto [weights, ids] = route_tokens(apply(w + kRouter, router_x), m);
+  auto [weights, ids] = route_tokens(apply(w + kRouter, router_x), m, w[kScoreBias]);
   const torch::Tensor *w13 = w + kExperts13, *w2 = w + kExperts2;
   auto out = fused_moe(x, weights.to(torch::kFloat).contiguous(), ids.to(torch::kLong).contiguous(),
                        {w13[0], w13[1], w13[2]}, given(w13[3]), {w2[0], w2[1], w2[2]},
@@ -244,8 +245,10 @@ torch::Tensor attention(const Step& s, const torch::Tensor* w, const torch::Tens
 // rotary: per rope of the model, (D, head_dim / 2, 2) fp32, each token's rotation; per layer,
 // its sliding window (None: global) and the index of its rope in `rotary` (None: NoPE);
 // slot_mapping (D,), block_tables (>= D, max_blocks), context_lens (D,): int64, as for write_kv
-// and paged_decode_attention; softcap 0: none; moe_router ... limit: the mixture of experts'
-// settings (MoeStep; moe_router empty where the model has none); lora: a step's LoRA, per layer
+// and paged_decode_attention (a latent-attention model: block_tables (D, max_blocks) the
+// decodes' blocks covering the longest context, MlaStep); softcap 0: none; moe_router ...
+// routed_scaling: the mixture of experts' settings (MoeStep; moe_router empty where the model
+// has none); lora: a step's LoRA, per layer
 // kLoraPerLayer (A, B) pairs (Lora; empty: no adapter in the step), lora_slots (D,) int64 each
 // token's slot, lora_parts each LoraModule's parts. Returns the last layer's output after the
 // final norm.
@@ -258,7 +261,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             int64_t heads, int64_t kv_heads, std::string activation,
                             std::string moe_router, int64_t top_k, bool norm_topk_prob,
                             bool weights_in_model_dtype, std::string expert_activation,
-                            double limit, std::vector<torch::Tensor> lora,
+                            double limit, int64_t n_group, int64_t topk_group,
+                            double routed_scaling, std::vector<torch::Tensor> lora,
                             torch::Tensor lora_slots,
                             std::vector<std::vector<int64_t>> lora_parts) {
   ReleaseGil no_gil;  // the whole step: other Python threads run meanwhile
@@ -270,8 +274,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
               "decode_layers: a window and a rope per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x (D, hidden), contiguous");
   const Activation act = parse_activation(activation);
-  const MoeStep moe{moe_router, top_k, norm_topk_prob, weights_in_model_dtype, expert_activation,
-                    limit};
+  const MoeStep moe{moe_router, top_k,   norm_topk_prob, weights_in_model_dtype, expert_activation,
+                    limit,      n_group, topk_group,     routed_scaling};
   TORCH_CHECK(lora.empty() || (static_cast<int64_t>(lora.size()) == layers * kLoraPerLayer * 2 &&
                                 static_cast<int64_t>(lora_parts.size()) == kLoraPerLayer),
               "decode_layers: ", static_cast<int64_t>(kLoraPerLayer * 2),
@@ -282,12 +286,20 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   const torch::Tensor none;
   torch::Tensor residual;
   const torch::Tensor* post = &none;  // the norm the pending output takes before it joins
+  std::optional<MlaStep> mla;  // made at the first latent-attention layer
   for (int64_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kPerLayer;
     x = join(x, residual, *post, w[kLn1], eps);
-    const auto o_in = attention(step, w, x, kv_caches[i], ropes[i], windows[i].value_or(0), i);
-    x = apply(w + kO, o_in);
-    add_lora(step.lora, i, kLoraO, x, o_in);
+    if (present(w[kMla + kKvA])) {  // latent attention: its o takes no adapter (mla_forward)
+      if (!mla)
+        mla.emplace(slot_mapping, block_tables, context_lens, kv_caches[i].size(1), eps, scale);
+      const auto* rot = ropes[i] ? &rotary.at(*ropes[i]) : nullptr;
+      x = apply(w + kO, mla_attention(*mla, w + kMla, x, kv_caches[i], rot));
+    } else {
+      const auto o_in = attention(step, w, x, kv_caches[i], ropes[i], windows[i].value_or(0), i);
+      x = apply(w + kO, o_in);
+      add_lora(step.lora, i, kLoraO, x, o_in);
+    }
     x = join(x, residual, w[kPost1], w[kLn2], eps);
     if (present(w[kRouter])) {
       x = moe_block(w, x, moe, act);  // an MoE layer's MLP takes no adapter

@@ -25,16 +25,52 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
-from pagedllm.config import ConfigError, ModelConfig
+from pagedllm.config import ConfigError, EngineConfig, ModelConfig
+
+# the inputs of one block of a GGUF file's quantized weights (Q8_0 / Q4_0 / Q4_1)
+BLOCK = 32
+# the row-parallel modules (each rank holds some of their inputs), as an error names them
+_ROW_PARALLEL = {
+    "o_proj": "attention output",
+    "down_proj": "MLP",
+    "experts_down": "experts'",
+    "shared_down": "shared expert's",
+}
 
 
-def valid_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    """The tensor-parallel sizes up to `limit` this model can be split into."""
-    return [n for n in range(1, limit + 1) if _why_not(cfg, n) is None]
+def valid_sizes(
+    cfg: ModelConfig, limit: int = 64, blocked: frozenset[str] = frozenset()
+) -> list[int]:
+    """The tensor-parallel sizes up to `limit` this model can be split into (`blocked`: as
+    ShardPlan.create takes it)."""
+    return [n for n in range(1, limit + 1) if _why_not(cfg, n, blocked) is None]
 
 
-def _why_not(cfg: ModelConfig, world: int) -> str | None:
+def _input_widths(cfg: ModelConfig) -> dict[str, int]:
+    """The whole input width of each row-parallel module (0: the model has none)."""
+    moe = cfg.moe
+    return {
+        "o_proj": cfg.num_heads * (cfg.mla.v_head_dim if cfg.mla else cfg.head_dim),
+        "down_proj": cfg.intermediate_size,
+        "experts_down": moe.intermediate_size if moe else 0,
+        "shared_down": moe.shared_intermediate_size if moe else 0,
+    }
+
+
+def _why_not_blocks(cfg: ModelConfig, world: int, blocked: frozenset[str]) -> str | None:
+    """A row-parallel weight held in blocks of BLOCK inputs is cut between blocks only."""
+    for module, width in _input_widths(cfg).items():
+        if module in blocked and (width // world) % BLOCK:
+            return (
+                f"its {_ROW_PARALLEL[module]} width {width} does not split {world} ways into "
+                f"whole {BLOCK}-wide blocks of its GGUF file ({width // world} inputs a rank)"
+            )
+    return None
+
+
+def _why_not(cfg: ModelConfig, world: int, blocked: frozenset[str] = frozenset()) -> str | None:
     h, kvh = cfg.num_heads, cfg.num_kv_heads
     if h % world:
         return f"its {h} attention heads do not split {world} ways"
@@ -54,7 +90,7 @@ def _why_not(cfg: ModelConfig, world: int) -> str | None:
         return (
             f"its shared expert's width {moe.shared_intermediate_size} does not split {world} ways"
         )
-    return None
+    return _why_not_blocks(cfg, world, blocked)
 
 
 def _mla_widths(cfg: ModelConfig) -> tuple[int, int, int] | None:
@@ -93,13 +129,17 @@ class ShardPlan:
     gdn: tuple[int, int, int, int, frozenset[int]] | None = None
 
     @staticmethod
-    def create(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
-        """Raises ConfigError (naming the sizes that work) when `world` cannot split `cfg`."""
+    def create(
+        cfg: ModelConfig, rank: int, world: int, blocked: frozenset[str] = frozenset()
+    ) -> ShardPlan:
+        """Raises ConfigError (naming the sizes that work) when `world` cannot split `cfg`.
+        `blocked`: the row-parallel modules (o_proj, down_proj, experts_down, shared_down)
+        whose weights are held in blocks of BLOCK inputs, which a rank's part must not cut."""
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"tensor-parallel rank {rank} of {world} is out of range")
-        why = _why_not(cfg, world)
+        why = _why_not(cfg, world, blocked)
         if why is not None:
-            sizes = ", ".join(map(str, valid_sizes(cfg)))
+            sizes = ", ".join(map(str, valid_sizes(cfg, blocked=blocked)))
             raise ConfigError(
                 f"tensor_parallel_size {world} cannot split this model: {why} "
                 f"(sizes that can: {sizes})"
@@ -218,3 +258,14 @@ class ShardPlan:
         if module in ("embed_tokens", "lm_head"):
             return 0, self.vocab_start, self.vocab_rows
         return None
+
+
+def engine_plan(config: EngineConfig, rank: int, world: int) -> ShardPlan:
+    """Rank `rank`'s plan for the engine's model; a GGUF file's quantized blocks are cut whole
+    (model/gguf.py `blocked_modules`), so its row-parallel weights split only between them."""
+    blocked: frozenset[str] = frozenset()
+    if config.quantization == "gguf" and world > 1:
+        from pagedllm.model.gguf import blocked_modules
+
+        blocked = blocked_modules(Path(config.model_dir))
+    return ShardPlan.create(config.model, rank, world, blocked)

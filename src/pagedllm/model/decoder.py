@@ -231,7 +231,7 @@ class CausalLM(nn.Module):
             )
         embed = w("embed_tokens.weight")
         self._io = (embed, embed if cfg.tie_word_embeddings else w("lm_head.weight"))
-        if cfg.mla is None and cfg.hybrid is None:  # csrc/decoder.cpp: attention only
+        if cfg.hybrid is None:  # csrc/decoder.cpp: softmax attention, latent or not
             self._kernel_weights, self._kernel_rows = decoder_kernel.flatten(self)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -245,7 +245,7 @@ class CausalLM(nn.Module):
         x = self._scaled_embed(input_ids)
         lora = decoder_kernel.lora_args(ctx.lora, x.dtype)  # None: adapters run op by op
         fused = self._kernel_weights and lora is not None
-        decodes = ctx.backend.decode_batch(ctx.attn_metadata) if fused else None
+        decodes = decoder_kernel.decode_batch(ctx, cfg.mla is not None) if fused else None
         if decodes is not None and lora is not None and x.shape[0] <= self._kernel_rows:
             x = self._decode_layers(x, ctx, decodes, lora)
         else:

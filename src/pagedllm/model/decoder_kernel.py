@@ -1,7 +1,7 @@
 """The decoder's layers as csrc/decoder.cpp's `decode_layers` takes them: every layer's
 tensors flattened in its `Slot` order, for the whole decode step in one C++ call (a mixture of
-experts included: its router, routing, fused experts and shared expert; a step's LoRA
-adapters too)."""
+experts included: its router, routing, fused experts and shared expert; DeepSeek's latent
+attention (csrc/mla_decode.cpp) and grouped sigmoid router; a step's LoRA adapters too)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.layers.attention import cpu_kernels
+from pagedllm.layers.attention.base import DecodeBatch
+from pagedllm.layers.attention.torch_ref import TorchAttentionMetadata
 from pagedllm.layers.moe import Experts
 from pagedllm.layers.moe_cpu import fused_experts_cpu, max_kernel_rows
 from pagedllm.layers.quant import QuantizedWeight, Weight, kernel_rows
@@ -17,12 +19,13 @@ from pagedllm.moe_config import MoeConfig
 
 if TYPE_CHECKING:
     from pagedllm.lora.ops import LoraStep
-    from pagedllm.model.decoder import CausalLM, LayerWeights
+    from pagedllm.model.decoder import CausalLM, ForwardContext, LayerWeights
+    from pagedllm.model.mla import MlaWeights
     from pagedllm.model.moe_block import MoeWeights
 
-# the routers csrc/decoder.cpp runs (DeepSeek's grouped sigmoid comes with latent attention,
-# which runs op by op)
-ROUTERS = ("softmax", "topk_softmax")
+# the routers csrc/decoder.cpp runs
+ROUTERS = ("softmax", "topk_softmax", "sigmoid_grouped")
+MOE_SLOTS, MLA_SLOTS = 25, 16  # csrc/decoder.cpp's kRouter..kScoreBias, mla_decode.cpp's
 
 
 def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
@@ -33,7 +36,8 @@ def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
     module = cpu_kernels.kernel_module()
     if model.tp is not None or norm.device.type != "cpu" or module is None:
         return [], 0.0
-    if not cpu_kernels.supports_shape(norm.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+    attn_ok = cpu_kernels.supports_shape(norm.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.mla is None and not attn_ok:  # (latent attention runs by ATen ops)
         return [], 0.0
     if cfg.moe is not None and cfg.moe.router not in ROUTERS:
         return [], 0.0
@@ -48,6 +52,19 @@ def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
     return flat, rows
 
 
+def decode_batch(ctx: ForwardContext, latent: bool) -> DecodeBatch | None:
+    """The step as `decode_layers` takes it, when all its tokens are decodes and the backend
+    is the C++ CPU one (`AttentionBackend.decode_batch`) or, for latent attention, the torch
+    backend over the cache of latents: its decodes' blocks and context lengths."""
+    m = ctx.attn_metadata
+    if not latent:
+        return ctx.backend.decode_batch(m)
+    if not isinstance(m, TorchAttentionMetadata) or m.prefills:
+        return None
+    blocks = m.decode_block_ids.view(m.num_decodes, -1)
+    return DecodeBatch(m.slot_mapping, blocks, m.decode_ctx.view(-1))
+
+
 def lora_args(lora: LoraStep | None, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """`decode_layers`' LoRA (its Lora: empty without an adapter in the step); None where it
     cannot add the step's deltas (LoraStep.kernel_args), and the layers run op by op. (Tensor
@@ -57,10 +74,10 @@ def lora_args(lora: LoraStep | None, dtype: torch.dtype) -> tuple[Any, ...] | No
     return lora.kernel_args(dtype)
 
 
-def moe_args(moe: MoeConfig | None) -> tuple[str, int, bool, bool, str, float]:
+def moe_args(moe: MoeConfig | None) -> tuple[str, int, bool, bool, str, float, int, int, float]:
     """`decode_layers`' mixture-of-experts settings (its MoeStep); an empty router: none."""
     if moe is None:
-        return "", 0, False, False, "silu", 0.0
+        return "", 0, False, False, "silu", 0.0, 1, 1, 1.0
     return (
         moe.router,
         moe.top_k,
@@ -68,6 +85,9 @@ def moe_args(moe: MoeConfig | None) -> tuple[str, int, bool, bool, str, float]:
         moe.weights_in_model_dtype,
         moe.activation,
         moe.limit,
+        moe.n_group,
+        moe.topk_group,
+        moe.routed_scaling,
     )
 
 
@@ -97,10 +117,13 @@ def _layer(
     csrc/moe.cpp refuses."""
     none = torch.empty(0, dtype=dtype)
     norms = (w.ln1, w.post1, w.ln2, w.post2, w.q_norm, w.k_norm)
-    if any(n is not None and n.dtype != dtype for n in norms):
+    mla = None if w.mla is None else _latent(w.mla, none)
+    if any(n is not None and n.dtype != dtype for n in norms) or (w.mla and mla is None):
         return None
-    if w.qkv_w is None or (w.moe is None and (w.gate_up_w is None or w.down_w is None)):
-        return None  # latent attention; no MLP
+    if (w.qkv_w is None and mla is None) or (
+        w.moe is None and (w.gate_up_w is None or w.down_w is None)
+    ):
+        return None  # other attention (linear); no MLP
     flat = [none if n is None else n for n in norms]
     # the dense MLP's slots empty where experts replace it
     linears = ((w.qkv_w, w.qkv_b), (w.o_w, w.o_b), (w.gate_up_w, w.gate_up_b), (w.down_w, w.down_b))
@@ -116,12 +139,33 @@ def _layer(
         return None
     flat.append(none if sinks is None else sinks)
     rows = min(kernel_rows(lw) for lw, _ in linears if lw is not None)
+    latent = [none] * MLA_SLOTS
+    if mla is not None:
+        latent, rows = mla[0], min(rows, mla[1])
     if w.moe is None or moe is None:
-        return [*flat, *[none] * 24], rows
+        return [*flat, *[none] * MOE_SLOTS, *latent], rows
     experts = _experts(w.moe, moe.top_k, none)
     if experts is None:
         return None
-    return [*flat, *experts[0]], min(rows, experts[1])
+    return [*flat, *experts[0], *latent], min(rows, experts[1])
+
+
+def _latent(w: MlaWeights, none: torch.Tensor) -> tuple[list[torch.Tensor], float] | None:
+    """A latent-attention layer's slots (csrc/mla_decode.cpp's MlaSlot) and their row limit;
+    None where a kernel would refuse them (norms of another dtype, inputs not a multiple of
+    32)."""
+    norms = [n for n in (w.q_a_norm, w.kv_a_norm) if n is not None]
+    if any(n.dtype != none.dtype for n in norms):
+        return None
+    weights = [lw for lw in (w.q_a_w, w.q_b_w, w.kv_a_w) if lw is not None]
+    parts = [_linear(w.q_a_w, w.q_a_b, none), _linear(w.q_b_w, None, none)]
+    parts.append(_linear(w.kv_a_w, w.kv_a_b, none))
+    if any(p is None for p in parts):
+        return None
+    q_a, q_b, kv_a = (p for p in parts if p is not None)
+    q_a_norm = none if w.q_a_norm is None else w.q_a_norm
+    flat = [*q_a, q_a_norm, *q_b, *kv_a, w.kv_a_norm, w.w_uk, w.w_uv]
+    return flat, min(kernel_rows(lw) for lw in weights)
 
 
 def _experts(
@@ -131,7 +175,7 @@ def _experts(
     expert's gate/up, down and gate) and their row limit; None where a kernel would refuse
     them."""
     e, shared = w.experts, w.shared
-    if w.score_bias is not None or not _experts_taken(e, top_k, none.dtype):
+    if not _experts_taken(e, top_k, none.dtype):
         return None
     linears = [_linear(w.router_w, w.router_b, none)]
     if shared is None:
@@ -143,6 +187,7 @@ def _experts(
         return None
     flat = [t for p in linears if p is not None for t in p]
     flat[4:4] = [*_stacked(e.w13, e.b13, none), *_stacked(e.w2, e.b2, none)]
+    flat.append(none if w.score_bias is None else w.score_bias)
     weights = [w.router_w] + ([] if shared is None else [shared.gate_up, shared.down])
     rows = min(kernel_rows(lw) for lw in weights)
     limit = max_kernel_rows(e)

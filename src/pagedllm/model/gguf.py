@@ -110,15 +110,7 @@ def read_model(model_dir: Path, cfg: ModelConfig) -> Iterator[Loaded]:
     fused ones (Phi-3) as their shards. `cfg`: the whole model's (not a tensor-parallel
     rank's)."""
     gguf_moe.refuse_unread(cfg)
-    try:
-        import gguf
-    except ImportError as e:
-        raise ConfigError("quantization 'gguf' needs the gguf package: pip install gguf") from e
-    path = gguf_file(model_dir)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
+    gguf, reader, path = _open(model_dir)
     arch = architecture(reader, cfg, path.name)
     # no `output` tensor (Gemma's converter never writes one): the embeddings project the
     # output too, as llama.cpp takes them
@@ -135,6 +127,33 @@ def read_model(model_dir: Path, cfg: ModelConfig) -> Iterator[Loaded]:
             yield t.name, (ours, shard), _to_layout(ours, shard, part, cfg, arch)
         if head_from_embd and t.name == "token_embd.weight":
             yield t.name, ("lm_head.weight", None), tensor
+
+
+def _open(model_dir: Path) -> tuple[Any, Any, Path]:
+    """gguf-py, a reader of the directory's GGUF file (mapped, not read) and its path."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConfigError("quantization 'gguf' needs the gguf package: pip install gguf") from e
+    path = gguf_file(model_dir)
+    try:
+        return gguf, gguf.GGUFReader(str(path)), path
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def blocked_modules(model_dir: Path) -> frozenset[str]:
+    """Our modules (`o_proj`, `experts_down`, ...) that the directory's GGUF file holds in
+    quantized blocks of 32 inputs, which a tensor-parallel rank's part cannot cut."""
+    gguf, reader, _ = _open(model_dir)
+    types = gguf.GGMLQuantizationType
+    dense = (types.F32, types.F16, types.BF16)
+    found = set()
+    for t in reader.tensors:
+        m = _LAYER.match(t.name)
+        if m and m.group(2) in _LAYER_NAMES and t.tensor_type not in dense:
+            found.add(_LAYER_NAMES[m.group(2)][0].split(".")[-1])
+    return frozenset(found)
 
 
 def architecture(reader: Any, cfg: ModelConfig, file: str) -> Arch:

@@ -16,7 +16,7 @@ import torch
 from pagedllm import kv_cache_dtype
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.comm import TPGroup
-from pagedllm.distributed.shard import ShardPlan
+from pagedllm.distributed.shard import engine_plan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoraSlots
@@ -71,7 +71,7 @@ class ShardExecutor:
         self.device = rank_device(config.device, rank)
         use_device(self.device)
         mcfg = config.model
-        plan = ShardPlan.create(mcfg, rank, world) if world > 1 else None
+        plan = engine_plan(config, rank, world) if world > 1 else None
         self.model = load_model(
             config.model_dir,
             mcfg,

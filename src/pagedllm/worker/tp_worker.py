@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pagedllm.config import ConfigError, EngineConfig
 from pagedllm.distributed.comm import TPGroup, host_store, join_store
 from pagedllm.distributed.processes import WorkerProcesses, report, watch_parent
-from pagedllm.distributed.shard import ShardPlan
+from pagedllm.distributed.shard import engine_plan
 from pagedllm.errors import EngineDeadError, describe
 from pagedllm.worker.executor import ShardExecutor, StepPlan, rank_device
 
@@ -44,7 +44,7 @@ class TPWorkers:
 
     def __init__(self, config: EngineConfig) -> None:
         world = config.tensor_parallel_size
-        ShardPlan.create(config.model, 0, world)  # a size that cannot split fails here
+        engine_plan(config, 0, world)  # a size that cannot split fails here
         self.world = world
         self.device = rank_device(config.device, 0)
         if (

@@ -84,6 +84,8 @@ _SOURCES = (
     "moe_gemm.cpp",
     "moe.cpp",
     "lora.cpp",  # before decoder.cpp, whose decode_layers adds a step's LoRA deltas by it
+    "decoder_common.cpp",  # the linears and norms of the one-call step (the next two)
+    "mla_decode.cpp",
     "decoder.cpp",
     "gated_delta.cpp",
 )
