@@ -26,7 +26,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from moe_bench import CLOCKS, PROMPT, load, race  # benchmarks/ is the script's directory
+from moe_bench import CLOCKS, document, load, race  # benchmarks/ is the script's directory
 
 from families import make_family_checkpoint  # tests/ (moe_bench puts it on the path)
 
@@ -84,15 +84,7 @@ def main() -> None:
                 )
                 for b in args.batches
             }
-    doc = {
-        "model": {k: v for k, v in model.items() if k != "initializer_range"},
-        "dtype": args.dtype,
-        "prompt_tokens": PROMPT,
-        "new_tokens": args.new_tokens,
-        "rounds": args.rounds,
-        "settings": settings,
-    }
-    print(json.dumps(doc, indent=2))
+    print(json.dumps(document("model", model, args, settings), indent=2))
 
 
 if __name__ == "__main__":

@@ -197,15 +197,22 @@ def main() -> None:
             rows = race(llms, args.rounds, CLOCKS[clock], args.batches, args.new_tokens)
             settings[setting] = {"threads": int(threads), "clock": clock, "paths": rows}
             settings[setting] |= ratios(rows)
-    doc = {
-        "moe": {k: v for k, v in moe.items() if k != "initializer_range"},
+    print(json.dumps(document("moe", moe, args, settings), indent=2))
+
+
+def document(
+    key: str, model: dict[str, Any], args: argparse.Namespace, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """The benchmark's JSON: the model's config under `key` (less its init), the run's
+    settings and figures."""
+    return {
+        key: {k: v for k, v in model.items() if k != "initializer_range"},
         "dtype": args.dtype,
         "prompt_tokens": PROMPT,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
         "settings": settings,
     }
-    print(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

@@ -128,11 +128,13 @@ def test_family_one_call_equals_op_by_op(
     check_one_call(family_checkpoints[family], fmt, one_call, seed=0)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_moe_int4_one_call_equals_op_by_op(
-    family_checkpoints: dict[str, Path], one_call: list[int]
+    family: str, family_checkpoints: dict[str, Path], one_call: list[int]
 ) -> None:
-    """int4 experts (and a gated shared expert) in the one call."""
-    check_one_call(family_checkpoints["qwen2_moe"], "int4", one_call, seed=2)
+    """int4 experts (and a gated shared expert; DeepSeek's latent projections) in the one
+    call."""
+    check_one_call(family_checkpoints[family], "int4", one_call, seed=2)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])

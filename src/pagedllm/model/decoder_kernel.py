@@ -59,8 +59,8 @@ def decode_batch(ctx: ForwardContext, latent: bool) -> DecodeBatch | None:
     m = ctx.attn_metadata
     if not latent:
         return ctx.backend.decode_batch(m)
-    if not isinstance(m, TorchAttentionMetadata) or m.prefills:
-        return None
+    if not isinstance(m, TorchAttentionMetadata) or m.num_decodes != m.slot_mapping.shape[0]:
+        return None  # a prefill chunk among the tokens
     blocks = m.decode_block_ids.view(m.num_decodes, -1)
     return DecodeBatch(m.slot_mapping, blocks, m.decode_ctx.view(-1))
 
