@@ -57,6 +57,20 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 PROMPT = 64
 
 
+def moe_config(layers: int) -> dict[str, Any]:
+    """The Qwen3-MoE of Qwen3-30B-A3B's proportions, `layers` layers (transformers' names)."""
+    return dict(
+        ATTENTION,
+        num_hidden_layers=layers,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=WIDTH,
+        intermediate_size=TOP_K * WIDTH,
+        norm_topk_prob=True,
+        initializer_range=0.02,
+    )
+
+
 def load(path: Path, dtype: str, one_call: bool = True) -> Any:
     """An LLM over the checkpoint at `path`; `one_call` False: its steps op by op from Python
     (not csrc/decoder.cpp's one-call decode)."""
@@ -167,16 +181,7 @@ def main() -> None:
         args.rounds, args.new_tokens = 1, 32
     import torch
 
-    moe = dict(
-        ATTENTION,
-        num_hidden_layers=args.layers,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        moe_intermediate_size=WIDTH,
-        intermediate_size=TOP_K * WIDTH,
-        norm_topk_prob=True,
-        initializer_range=0.02,
-    )
+    moe = moe_config(args.layers)
     dense = dict(ATTENTION, num_hidden_layers=args.layers, intermediate_size=TOP_K * WIDTH)
     settings = {}
     with tempfile.TemporaryDirectory() as tmp:
