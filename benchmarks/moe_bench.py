@@ -54,9 +54,23 @@ ATTENTION = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
-TOP_K, WIDTH = 8, 192
+EXPERTS, TOP_K, WIDTH = 128, 8, 192  # Qwen3-30B-A3B's experts and top-k
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 PROMPT = 64
+
+
+def moe_config(layers: int, experts: int = EXPERTS) -> dict[str, Any]:
+    """The Qwen3-MoE of Qwen3-30B-A3B's proportions, `layers` layers (transformers' names)."""
+    return dict(
+        ATTENTION,
+        num_hidden_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=WIDTH,
+        intermediate_size=TOP_K * WIDTH,
+        norm_topk_prob=True,
+        initializer_range=0.02,
+    )
 
 
 def load(path: Path, dtype: str, one_call: bool = True) -> Any:
@@ -152,7 +166,7 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=EXPERTS)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -170,16 +184,7 @@ def main() -> None:
         args.rounds, args.new_tokens = 1, 32
     import torch
 
-    moe = dict(
-        ATTENTION,
-        num_hidden_layers=args.layers,
-        num_experts=args.experts,
-        num_experts_per_tok=TOP_K,
-        moe_intermediate_size=WIDTH,
-        intermediate_size=TOP_K * WIDTH,
-        norm_topk_prob=True,
-        initializer_range=0.02,
-    )
+    moe = moe_config(args.layers, args.experts)
     dense = dict(ATTENTION, num_hidden_layers=args.layers, intermediate_size=TOP_K * WIDTH)
     settings = {}
     with tempfile.TemporaryDirectory() as tmp:

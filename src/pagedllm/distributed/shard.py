@@ -19,6 +19,10 @@ every rank computes and caches the same latent.
 A hybrid's Gated-DeltaNet layers (model/gdn_block.py) split by heads too: the fused input
 projection's q/k shards by key heads, v/z/b/a by value heads, the conv channels with them,
 o_proj by columns; so each rank keeps its heads' share of every request's state.
+
+A GGUF file's quantized weights are cut between their blocks of 32 inputs (`engine_plan`): a
+row-parallel weight it holds in blocks (o_proj, down_proj, each expert's down) splits only
+where each rank's share of its inputs is whole blocks.
 """
 
 from __future__ import annotations
