@@ -20,7 +20,7 @@ A hybrid's Gated-DeltaNet layers (model/gdn_block.py) split by heads too: the fu
 projection's q/k shards by key heads, v/z/b/a by value heads, the conv channels with them,
 o_proj by columns; so each rank keeps its heads' share of every request's state.
 
-A GGUF file's quantized weights are cut between their blocks of 32 inputs (`engine_plan`): a
+A GGUF file's quantized weights are cut between their blocks of 32 inputs (worker/executor.py `engine_plan`): a
 row-parallel weight it holds in blocks (o_proj, down_proj, each expert's down) splits only
 where each rank's share of its inputs is whole blocks.
 """
@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
-from pagedllm.config import ConfigError, EngineConfig, ModelConfig
+from pagedllm.config import ConfigError, ModelConfig
 
 # the inputs of one block of a GGUF file's quantized weights (Q8_0 / Q4_0 / Q4_1)
 BLOCK = 32
@@ -262,14 +261,3 @@ class ShardPlan:
         if module in ("embed_tokens", "lm_head"):
             return 0, self.vocab_start, self.vocab_rows
         return None
-
-
-def engine_plan(config: EngineConfig, rank: int, world: int) -> ShardPlan:
-    """Rank `rank`'s plan for the engine's model; a GGUF file's quantized blocks are cut whole
-    (model/gguf.py `blocked_modules`), so its row-parallel weights split only between them."""
-    blocked: frozenset[str] = frozenset()
-    if config.quantization == "gguf" and world > 1:
-        from pagedllm.model.gguf import blocked_modules
-
-        blocked = blocked_modules(Path(config.model_dir))
-    return ShardPlan.create(config.model, rank, world, blocked)

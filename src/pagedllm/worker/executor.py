@@ -10,23 +10,34 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pagedllm import kv_cache_dtype
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.comm import TPGroup
-from pagedllm.distributed.shard import engine_plan
+from pagedllm.distributed.shard import ShardPlan
 from pagedllm.layers.attention import StepInputs, create_attention_backend
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoraSlots
 from pagedllm.model import arena, kv_scales, load_model
 from pagedllm.model.decoder import ForwardContext
 from pagedllm.model.gdn_block import build_step, new_states, spread_kv_caches
+from pagedllm.model.gguf import blocked_modules
 from pagedllm.model.rope import rotary_table
 from pagedllm.worker import cuda_graphs
 
 logger = logging.getLogger(__name__)
+
+
+def engine_plan(config: EngineConfig, rank: int, world: int) -> ShardPlan:
+    """Rank `rank`'s plan for the engine's model; a GGUF file's quantized blocks are cut whole
+    (model/gguf.py `blocked_modules`), so its row-parallel weights split only between them."""
+    blocked: frozenset[str] = frozenset()
+    if config.quantization == "gguf" and world > 1:
+        blocked = blocked_modules(Path(config.model_dir))
+    return ShardPlan.create(config.model, rank, world, blocked)
 
 
 @dataclass

@@ -22,9 +22,8 @@ import torch.distributed as dist
 from pagedllm.config import ConfigError, EngineConfig
 from pagedllm.distributed.comm import TPGroup, host_store, join_store
 from pagedllm.distributed.processes import WorkerProcesses, report, watch_parent
-from pagedllm.distributed.shard import engine_plan
 from pagedllm.errors import EngineDeadError, describe
-from pagedllm.worker.executor import ShardExecutor, StepPlan, rank_device
+from pagedllm.worker.executor import ShardExecutor, StepPlan, engine_plan, rank_device
 
 logger = logging.getLogger(__name__)
 
