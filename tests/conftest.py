@@ -164,6 +164,17 @@ def shared_server(
     yield from serving(checkpoints["llama"], tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def slow_shared_server(
+    slow_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """One server over `slow_checkpoint`, for the modules whose requests must outlive a cancel
+    or stop seen at the next poll (0.2 s, a probe 0.5 s) on any machine, under any load: its 4k
+    context holds thousands of tokens, seconds of work (the tiny one's 480 take ~0.5 s). Its
+    modules send it requests and read its metrics as deltas, like `shared_server`'s."""
+    yield from serving(slow_checkpoint, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def server(
     request: pytest.FixtureRequest,

@@ -27,3 +27,13 @@ def wait_idle(metrics_url: str, timeout: float) -> float:
             assert is_idle(m), m
             return elapsed
         time.sleep(0.02)
+
+
+def wait_running(metrics_url: str, n: int, timeout: float) -> None:
+    """Until `n` requests run. The gauges are published on their own thread and may trail the
+    responses: a test that cancels a request and then waits for idle gauges must first see
+    them busy, or it may read the idle ones of before the request (nothing counted yet)."""
+    deadline = time.monotonic() + timeout
+    while (m := metrics(metrics_url)).get("vllm:num_requests_running") != n:
+        assert time.monotonic() < deadline, (f"{n} requests never ran", m)
+        time.sleep(0.02)

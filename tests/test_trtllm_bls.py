@@ -27,7 +27,7 @@ SHARES_SERVER = True  # conftest's session server: requests only, metrics read a
 PROMPT = "Once upon a time"
 OTHER = "Paged attention"
 OUTPUT_LEN = 12
-LONG = 480  # tokens: about a second alone on the tiny model (its context is 512)
+SLOW_LEN = 2000  # tokens of conftest's slow checkpoint (no EOS before): seconds on any machine
 ABORTED = "vllm:request_success_total{finished_reason=abort}"
 
 
@@ -298,21 +298,27 @@ def test_what_cannot_be_served_is_refused_by_name(
     assert isinstance(error, Exception) and message in str(error)
 
 
-def test_a_cancelled_stream_frees_its_blocks(server: TritonServer) -> None:
+def test_a_cancelled_stream_frees_its_blocks(slow_shared_server: TritonServer) -> None:
+    """The cancel reaches the engine at the BLS model's next poll of its client (every 0.2 s):
+    the request must still be running then. The tiny model's 480 tokens (its context is 512)
+    take ~0.5 s, and under load its 5th response reached the client so late that it ended by
+    length (the counters: length + 1, abort + 0); the slow checkpoint's SLOW_LEN take seconds."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
+    server = slow_shared_server
     before = aborted(server)
     received = threading.Semaphore(0)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: received.release())
     inputs = []
-    for name, value in prepare_inputs(PROMPT, LONG, streaming=True).items():
+    for name, value in prepare_inputs(PROMPT, SLOW_LEN, streaming=True).items():
         inputs.append(grpcclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype)))
         inputs[-1].set_data_from_numpy(value)
     client.async_stream_infer("tensorrt_llm_bls", inputs)
     for _ in range(5):
         assert received.acquire(timeout=60)
+    server_metrics.wait_running(server.metrics_url, 1, timeout=10)  # idle from now on: fresh
     client.stop_stream(cancel_requests=True)
     assert server_metrics.wait_idle(server.metrics_url, timeout=1.0) < 1.0
     assert aborted(server) == before + 1
