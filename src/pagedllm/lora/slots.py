@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.lora.adapter import PROJECTIONS, LoraAdapter, LoRAError, load_adapter
 from pagedllm.lora.ops import MODULES, LoraStep
+from pagedllm.lora.pool import pool_shapes
 from pagedllm.lora.request import LoRAConfig, LoRARequest
 from pagedllm.model_config import ModelConfig
 
@@ -130,24 +131,17 @@ class LoraSlots:
         self.host = HostCache(cfg, lora)
         local = cfg if plan is None else plan.local_config(cfg)
         q, kv = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
-        d, i = local.hidden_size, local.intermediate_size
-        # module -> (parts, out, in) on this rank
-        shapes = {
-            "qkv": (3, q + 2 * kv, d),
-            "o": (1, d, q),
-            "gate_up": (2, 2 * i, d),
-            "down": (1, d, i),
-        }
+        i = local.intermediate_size
         self._part_rows = {"qkv": [0, q, q + kv], "o": [0], "gate_up": [0, i], "down": [0]}
-        s, r, layers = lora.max_loras, lora.max_lora_rank, cfg.num_layers
-        # module -> every layer's A (layers, slots, parts * R, in) and B (layers, slots, out,
-        # parts * R): a slot is written by one copy per tensor (a swap is 8 copies)
+        layers = cfg.num_layers
+        # module -> every layer's A and B (lora/pool.py), allocated once: a slot is written
+        # by one copy per tensor (a swap is 8 copies), and captured CUDA graphs read them
         self.pool = {
             m: (
-                torch.zeros(layers, s, parts * r, inp, dtype=dtype, device=device),
-                torch.zeros(layers, s, out, parts * r, dtype=dtype, device=device),
+                torch.zeros(a, dtype=dtype, device=device),
+                torch.zeros(b, dtype=dtype, device=device),
             )
-            for m, (parts, out, inp) in shapes.items()
+            for m, (a, b) in pool_shapes(local, lora).items()
         }
         moe = cfg.layer_moe or (False,) * layers  # an MoE layer's MLP takes no adapter
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -159,7 +153,7 @@ class LoraSlots:
             for layer in range(layers)
         ]
         # module -> which slots' adapters adapt it (a module no slot of a step adapts is skipped)
-        self.adapts = {m: [False] * s for m in MODULES}
+        self.adapts = {m: [False] * lora.max_loras for m in MODULES}
         self.device = device
 
     def load(self, slot: int, request: LoRARequest) -> None:
