@@ -201,12 +201,21 @@ class LoraSlots:
     def step(self, loads: list[tuple[int, LoRARequest]], token_slots: list[int]) -> LoraStep | None:
         """Do a step's loads; the step's batched LoRA computation (None: no token uses an
         adapter)."""
-        for slot, request in loads:
-            self.load(slot, request)
+        self.load_all(loads)
         if all(s < 0 for s in token_slots):
             return None
         parts = self._part_rows
         return LoraStep.create(self.weights, token_slots, self.adapts, self.device, parts)
+
+    def load_all(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """A step's loads, into the pool's tensors in place (before a graph's replay)."""
+        for slot, request in loads:
+            self.load(slot, request)
+
+    def graph_step(self, token_slots: torch.Tensor) -> LoraStep:
+        """A CUDA graph's LoRA computation: each row's slot read from `token_slots` (a
+        buffer; -1: nothing read or written), every module of every slot, in Triton."""
+        return LoraStep(self.weights, [], frozenset(), token_slots, None, self._part_rows, True)
 
 
 def check_request(slots: LoraSlots | None, request: LoRARequest | None) -> None:
