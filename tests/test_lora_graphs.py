@@ -36,14 +36,17 @@ def test_buffers_pad_lora_rows_to_no_adapter() -> None:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("lora-graphs") / "base", "qwen2", seed=7)
+    path = make_checkpoint(tmp_path_factory.mktemp("lora-graphs") / "base", "qwen2", seed=7)
+    for i, name in enumerate(ADAPTERS):  # qv, all, mlp_o: ranks and targets differ
+        save_adapter(path, path.parent / name, name, seed=10 + i)
+    return path
 
 
 def generate(base: Path, **kw: Any) -> tuple[list[list[int]], list[list[float]], LLM]:
     """Greedy ids and their log-probs: the base model and three adapters, two slots; the
     first two adapters' requests end early, so the third is swapped into a slot while the
     others still decode."""
-    names: list[str | None] = [None, "qv", "all", "mlp_o", None]
+    names: list[str | None] = [None, *ADAPTERS, None]
     lengths = [10, 3, 3, 8, 6]
     loras = [
         None if n is None else LoRARequest(n, i + 1, str(base.parent / n))
@@ -72,9 +75,6 @@ def generate(base: Path, **kw: Any) -> tuple[list[list[int]], list[list[float]],
 def test_graph_steps_with_adapters_generate_as_eager(
     base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for i, name in enumerate(["qv", "all", "mlp_o"]):
-        save_adapter(base, base.parent / name, name, seed=10 + i)
-    assert set(ADAPTERS) == {"qv", "all", "mlp_o"}
     eager_ids, eager_logprobs, _ = generate(base)
     monkeypatch.setattr(cuda_graphs, "may_capture", lambda config, device: True)
     monkeypatch.setattr(cuda_graphs, "CudaGraphBackend", FakeGraphBackend)
@@ -98,3 +98,16 @@ def test_graph_steps_with_adapters_generate_as_eager(
     assert ids == eager_ids
     for got, want in zip(logprobs, eager_logprobs, strict=True):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_graphs_with_adapters_generate_as_eager(base: Path) -> None:
+    """Real CUDA graphs with adapter tokens == eager steps on the device, greedy ids and
+    log-probs."""
+    ids, logprobs, llm = generate(base, device="cuda")
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    eager_ids, eager_logprobs, _ = generate(base, device="cuda", enforce_eager=True)
+    assert ids == eager_ids
+    for got, want in zip(logprobs, eager_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-3)
