@@ -4,6 +4,7 @@ the KV pool gets its blocks from what is left after it (kv_budget.py's `reserved
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ def test_pool_bytes_equal_the_pools_tensors(llama: Path, dtype: torch.dtype) -> 
     assert pool_bytes(cfg, lora, dtype, world=2) < pool_bytes(cfg, lora, dtype)
 
 
-def test_kv_pool_sized_after_the_slot_pool(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kv_pool_sized_after_the_slot_pool(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A device with room for the weights, the activation reserve, the adapters' slot pool and
     7 KV blocks: 7 blocks with LoRA, the pool's worth more without."""
     path = llama
@@ -57,6 +60,11 @@ def test_kv_pool_sized_after_the_slot_pool(llama: Path, monkeypatch: pytest.Monk
     total = model.num_parameters * 4 + activation_reserve(model, 2048, 4) + 7 * per_block + pool
     fake_cuda(monkeypatch, total, total)
     kw: dict[str, Any] = dict(device="cuda", gpu_memory_utilization=1.0, max_num_seqs=4)
-    assert EngineConfig.create(path, lora=lora, **kw).cache.num_kv_blocks == 7
+    with caplog.at_level(logging.INFO, logger="pagedllm.lora.pool"):
+        assert EngineConfig.create(path, lora=lora, **kw).cache.num_kv_blocks == 7
+    mib = f"{pool / (1 << 20):.1f} MiB per rank"
+    assert any(
+        mib in r.getMessage() and "4 slots of rank 16" in r.getMessage() for r in caplog.records
+    )
     assert EngineConfig.create(path, **kw).cache.num_kv_blocks == 7 + pool // per_block
     assert pool // per_block >= 10 and total < GIB
