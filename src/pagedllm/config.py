@@ -16,6 +16,7 @@ from pagedllm.draft_config import draft_model_config
 from pagedllm.errors import ConfigError
 from pagedllm.families import SUPPORTED_ARCHITECTURES
 from pagedllm.kv_cache_dtype import check_kv_cache_dtype, check_supported
+from pagedllm.lora import pool as lora_pool
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.model_config import ModelConfig, RopeConfig
 from pagedllm.spec_config import SpeculativeConfig
@@ -235,6 +236,7 @@ class EngineConfig:
                 enable_prefix_caching, model.architecture
             )
         if num_kv_blocks is None:
+            gpu = device.startswith("cuda")  # there the adapters' slot pool is set aside too
             num_kv_blocks = kv_budget.num_kv_blocks(
                 model,
                 device,
@@ -248,7 +250,8 @@ class EngineConfig:
                 gpu_memory_utilization,
                 tensor_parallel_size,
                 sliding_window=window,
-                reserved_bytes=state_bytes,
+                reserved_bytes=state_bytes
+                + (lora_pool.reserve(model, lora, torch_dtype, tensor_parallel_size) if gpu else 0),
                 kv_cache_dtype=kv_kind,
                 draft=draft,
             )

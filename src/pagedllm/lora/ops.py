@@ -38,6 +38,9 @@ class LoraStep:
     # module -> the first output row of each projection fused in it (B block-diagonal: the
     # C++ kernel reads only each part's block); absent: one part
     parts: dict[str, list[int]]
+    # every token through the two Triton launches, on any device: a CUDA graph's step
+    # (lora/slots.py `graph_step`: slots from a buffer, no groups, no module skipped)
+    triton: bool = False
 
     @staticmethod
     def create(
@@ -94,7 +97,7 @@ class LoraStep:
             out, x, *pair, self.token_slots, parts
         ):
             return
-        if out.is_cuda:  # two Triton launches, every token (lora/triton_ops.py)
+        if out.is_cuda or self.triton:  # two Triton launches, every token (lora/triton_ops.py)
             from pagedllm.lora.triton_ops import lora_bgmv_triton
 
             lora_bgmv_triton(out, x, pair[0], pair[1], self.token_slots)

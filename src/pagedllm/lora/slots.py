@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.lora.adapter import PROJECTIONS, LoraAdapter, LoRAError, load_adapter
 from pagedllm.lora.ops import MODULES, LoraStep
+from pagedllm.lora.pool import pool_shapes
 from pagedllm.lora.request import LoRAConfig, LoRARequest
 from pagedllm.model_config import ModelConfig
 
@@ -130,24 +131,17 @@ class LoraSlots:
         self.host = HostCache(cfg, lora)
         local = cfg if plan is None else plan.local_config(cfg)
         q, kv = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
-        d, i = local.hidden_size, local.intermediate_size
-        # module -> (parts, out, in) on this rank
-        shapes = {
-            "qkv": (3, q + 2 * kv, d),
-            "o": (1, d, q),
-            "gate_up": (2, 2 * i, d),
-            "down": (1, d, i),
-        }
+        i = local.intermediate_size
         self._part_rows = {"qkv": [0, q, q + kv], "o": [0], "gate_up": [0, i], "down": [0]}
-        s, r, layers = lora.max_loras, lora.max_lora_rank, cfg.num_layers
-        # module -> every layer's A (layers, slots, parts * R, in) and B (layers, slots, out,
-        # parts * R): a slot is written by one copy per tensor (a swap is 8 copies)
+        layers = cfg.num_layers
+        # module -> every layer's A and B (lora/pool.py), allocated once: a slot is written
+        # by one copy per tensor (a swap is 8 copies), and captured CUDA graphs read them
         self.pool = {
             m: (
-                torch.zeros(layers, s, parts * r, inp, dtype=dtype, device=device),
-                torch.zeros(layers, s, out, parts * r, dtype=dtype, device=device),
+                torch.zeros(a, dtype=dtype, device=device),
+                torch.zeros(b, dtype=dtype, device=device),
             )
-            for m, (parts, out, inp) in shapes.items()
+            for m, (a, b) in pool_shapes(local, lora).items()
         }
         moe = cfg.layer_moe or (False,) * layers  # an MoE layer's MLP takes no adapter
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -159,7 +153,7 @@ class LoraSlots:
             for layer in range(layers)
         ]
         # module -> which slots' adapters adapt it (a module no slot of a step adapts is skipped)
-        self.adapts = {m: [False] * s for m in MODULES}
+        self.adapts = {m: [False] * lora.max_loras for m in MODULES}
         self.device = device
 
     def load(self, slot: int, request: LoRARequest) -> None:
@@ -207,12 +201,21 @@ class LoraSlots:
     def step(self, loads: list[tuple[int, LoRARequest]], token_slots: list[int]) -> LoraStep | None:
         """Do a step's loads; the step's batched LoRA computation (None: no token uses an
         adapter)."""
-        for slot, request in loads:
-            self.load(slot, request)
+        self.load_all(loads)
         if all(s < 0 for s in token_slots):
             return None
         parts = self._part_rows
         return LoraStep.create(self.weights, token_slots, self.adapts, self.device, parts)
+
+    def load_all(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """A step's loads, into the pool's tensors in place (before a graph's replay)."""
+        for slot, request in loads:
+            self.load(slot, request)
+
+    def graph_step(self, token_slots: torch.Tensor) -> LoraStep:
+        """A CUDA graph's LoRA computation: each row's slot read from `token_slots` (a
+        buffer; -1: nothing read or written), every module of every slot, in Triton."""
+        return LoraStep(self.weights, [], frozenset(), token_slots, None, self._part_rows, True)
 
 
 def check_request(slots: LoraSlots | None, request: LoRARequest | None) -> None:

@@ -81,6 +81,8 @@ class DecodeBuffers:
     state_slots: torch.Tensor  # (S,) int32
     state_init: torch.Tensor  # (S,) int32
     query_start_loc: torch.Tensor  # (S + 1,) int32
+    # LoRA: each row's adapter slot in the pool (lora/graph.py), -1: the base model (padding)
+    lora_slots: torch.Tensor
     pad_slot: int = 0
 
     @staticmethod
@@ -100,6 +102,7 @@ class DecodeBuffers:
             state_slots=zeros(max_size, dtype=torch.int32),
             state_init=zeros(max_size, dtype=torch.int32),
             query_start_loc=torch.arange(max_size + 1, dtype=torch.int32, device=device),
+            lora_slots=zeros(max_size),
             pad_slot=pad_slot,
         )
         buffers.pad(0)
@@ -120,6 +123,7 @@ class DecodeBuffers:
             self.state_slots[:size],
             self.state_init[:size],
             self.query_start_loc[: size + 1],
+            self.lora_slots[:size],
             self.pad_slot,
         )
 
@@ -131,11 +135,15 @@ class DecodeBuffers:
         self.context_lens[start:] = 0
         self.state_slots[start:] = self.pad_slot
         self.state_init[start:] = 0
+        self.lora_slots[start:] = -1
 
-    def fill(self, step: StepInputs, states: StateRows = ((), ())) -> None:
+    def fill(
+        self, step: StepInputs, states: StateRows = ((), ()), lora_slots: Sequence[int] = ()
+    ) -> None:
         """Copy a decode-only step into the first rows, pad the rest. Device-to-device copies
         and non-blocking host copies (the context lengths; a hybrid model's `states`: each
-        request's state slot and whether it continues from it): no synchronization.
+        request's state slot and whether it continues from it; each row's adapter slot): no
+        synchronization.
 
         NOTE: block-table columns past a row's own blocks keep stale ids; the kernels never
         read past a row's context length."""
@@ -155,6 +163,11 @@ class DecodeBuffers:
             rows = host_tensor([list(slots), [int(c) for c in continues]], torch.int32, pinned)
             self.state_slots[:n].copy_(rows[0], non_blocking=True)
             self.state_init[:n].copy_(rows[1], non_blocking=True)
+        if lora_slots:
+            lora = host_tensor(list(lora_slots), torch.int64, pinned)
+            self.lora_slots[:n].copy_(lora, non_blocking=True)
+        else:
+            self.lora_slots[:n] = -1
         self.pad(n)
 
 
@@ -224,13 +237,15 @@ class CudaGraphRunner:
             and step.logits_indices.shape[0] == n
         )
 
-    def run(self, step: StepInputs, states: StateRows = ((), ())) -> torch.Tensor:
+    def run(
+        self, step: StepInputs, states: StateRows = ((), ()), lora_slots: Sequence[int] = ()
+    ) -> torch.Tensor:
         """(n, vocab) logits of the step's `n` decodes (`states`: a hybrid model's state slots
-        and continue flags, one per request)."""
+        and continue flags, one per request; `lora_slots`: each row's adapter slot)."""
         n = len(step.context_lens)
         size = padded_size(n, self.sizes)
-        assert size is not None and self.can_run(step)
-        self.buffers.fill(step, states)
+        assert size is not None and self.can_run(step) and len(lora_slots) in (0, n)
+        self.buffers.fill(step, states, lora_slots)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]
@@ -246,6 +261,7 @@ class Runner(Protocol):
     kv_caches: list[torch.Tensor]
     states: list[Any]  # a hybrid model's state pools (`state_pool_slots` slots each)
     model: Any
+    lora: Any  # LoRA's device pool (lora/slots.py `LoraSlots`), or None
 
     def rotations(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
@@ -298,6 +314,8 @@ def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
         if runner.states:  # the recurrent decode step, one token per row, slots from buffers
             gdn = GdnMeta(b.query_start_loc, b.state_slots, b.state_init, (), (), (), b.size, 1)
             ctx = ctx._replace(gdn=GdnStep(gdn, runner.states))
+        if runner.lora is not None:  # every slot's deltas, each row's slot from a buffer
+            ctx = ctx._replace(lora=runner.lora.graph_step(b.lora_slots))
         logits: torch.Tensor = runner.model(b.input_ids, ctx, b.logits_indices)
         return logits
 

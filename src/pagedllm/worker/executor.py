@@ -134,14 +134,14 @@ class ShardExecutor:
             ).to(self.device)
             for rope in mcfg.ropes
         ]
-        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager),
-        # captured by `capture_graphs` (with tensor parallelism: on every rank, once all hold
-        # their shards, since the graphs hold the collectives)
-        self.graphs = cuda_graphs.create_graph_runner(self)
         # the device pool of LoRA adapters (lora/slots.py), this rank's shard of each
         self.lora = None
         if config.lora is not None:
             self.lora = LoraSlots(config.lora, mcfg, self.device, config.dtype, plan)
+        # GPU only: decode steps through CUDA graphs (None on the CPU or with enforce_eager),
+        # captured by `capture_graphs` (with tensor parallelism: on every rank, once all hold
+        # their shards, since the graphs hold the collectives); with LoRA, they read the pool
+        self.graphs = cuda_graphs.create_graph_runner(self)
 
     def capture_graphs(self) -> None:
         if self.graphs is not None and self.scale_estimator is not None:
@@ -176,15 +176,13 @@ class ShardExecutor:
         if plan.block_copies:
             copy_blocks(self.kv_caches, plan.block_copies)
         step = self.inputs(plan)
-        lora = None if self.lora is None else self.lora.step(plan.lora_loads, plan.lora_slots)
-        if (
-            self.graphs is not None
-            and not plan.eager
-            and lora is None
-            and self.graphs.can_run(step)
-        ):
+        if self.graphs is not None and not plan.eager and self.graphs.can_run(step):
+            if self.lora is not None:  # adapters swapped in before the replay
+                self.lora.load_all(plan.lora_loads)
             states = (plan.state_slots, plan.state_continues)  # (a hybrid model's)
-            return self.graphs.run(step, states)  # a GPU decode step: one CUDA graph replay
+            # a GPU decode step: one CUDA graph replay (each row's adapter slot in a buffer)
+            return self.graphs.run(step, states, plan.lora_slots)
+        lora = None if self.lora is None else self.lora.step(plan.lora_loads, plan.lora_slots)
         estimator = self.scale_estimator
         backend = estimator or self.backend
         metadata = backend.build_metadata(step)
