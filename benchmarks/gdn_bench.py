@@ -23,6 +23,7 @@ from gemv_bench import median_ms  # benchmarks/ is the script's directory
 
 from pagedllm.layers import gated_delta as gd
 from pagedllm.layers.attention import cpu_kernels
+from pagedllm.layers.gdn_meta import GdnMeta
 
 SHAPE = gd.GdnShape(key_heads=16, value_heads=16, key_dim=128, value_dim=128, conv_kernel=4)
 
@@ -64,7 +65,7 @@ def decode(batch: int, dtype: torch.dtype, repeats: int) -> dict:
 def prefill(tokens: int, dtype: torch.dtype, repeats: int) -> dict:
     state = SHAPE.new_state(1, dtype)
     weight = torch.randn(SHAPE.conv_dim, SHAPE.conv_kernel).to(dtype)
-    meta = gd.GdnMeta.build([0, tokens], [0], [False])
+    meta = GdnMeta.build([0, tokens], [0], [False])
     mixed, g, beta = _inputs(tokens, dtype)
 
     def step() -> torch.Tensor:

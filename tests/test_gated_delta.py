@@ -25,6 +25,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from pagedllm.layers import gated_delta as gd
 from pagedllm.layers import gated_delta_triton as gdt
 from pagedllm.layers.attention import cpu_kernels as kernels
+from pagedllm.layers.gdn_meta import GdnMeta
 
 SHAPE = gd.GdnShape(key_heads=2, value_heads=4, key_dim=32, value_dim=24, conv_kernel=4)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -49,7 +50,7 @@ class Layer:
         b = torch.randn(n, SHAPE.value_heads, generator=gen).to(self.dtype)
         return mixed, a, b
 
-    def step(self, impl: str, state: gd.GdnState, meta: gd.GdnMeta, mixed, a, b) -> torch.Tensor:
+    def step(self, impl: str, state: gd.GdnState, meta: GdnMeta, mixed, a, b) -> torch.Tensor:
         g, beta = gd.gdn_gating(a, b, self.a_log, self.dt_bias)
         if impl == "triton":
             conv = gdt.causal_conv1d_triton(mixed, self.weight, None, state.conv, meta, "silu")
@@ -118,7 +119,7 @@ def test_varlen_step_matches_hf(impl: str, dtype: torch.dtype, kind: str) -> Non
     starts = [0]
     for n, _, _ in requests:
         starts.append(starts[-1] + n)
-    meta = gd.GdnMeta.build(starts, [s for _, s, _ in requests], [c for _, _, c in requests])
+    meta = GdnMeta.build(starts, [s for _, s, _ in requests], [c for _, _, c in requests])
     mixed, a, b = layer.inputs(starts[-1], seed=2)
     out = layer.step(impl, state, meta, mixed, a, b)
     assert out.shape == (starts[-1], SHAPE.value_heads, SHAPE.value_dim) and out.dtype == dtype
@@ -143,7 +144,7 @@ def test_split_prefill_then_decodes_match_whole_prefill(impl: str, dtype: torch.
     mixed, a, b = layer.inputs(153, seed=4)
     outs = []
     for s, e in [(0, 37), (37, 100), (100, 150), (150, 151), (151, 152), (152, 153)]:
-        meta = gd.GdnMeta.build([0, e - s], [4], [s > 0])
+        meta = GdnMeta.build([0, e - s], [4], [s > 0])
         outs.append(layer.step(impl, state, meta, mixed[s:e], a[s:e], b[s:e]))
     o, conv, h = layer.oracle(None, None, mixed[:150], a[:150], b[:150])
     close(torch.cat(outs[:3]), o, dtype)
@@ -161,7 +162,7 @@ def test_decode_entry_points(device_path: bool) -> None:
     layer = Layer(torch.float32, seed=5)
     slots = [3, 0, 5]
     mixed, a, b = layer.inputs(3, seed=6)
-    meta = gd.GdnMeta.build([0, 1, 2, 3], slots, [True] * 3)
+    meta = GdnMeta.build([0, 1, 2, 3], slots, [True] * 3)
     ref_state, state = random_state(torch.float32), random_state(torch.float32)
     expected = layer.step("cpu", ref_state, meta, mixed, a, b)
     idx = torch.tensor(slots, dtype=torch.int32)
@@ -184,7 +185,7 @@ def test_conv_bias_and_gated_norm() -> None:
     layer = Layer(torch.float32, seed=7)
     bias = torch.randn(SHAPE.conv_dim)
     mixed, _, _ = layer.inputs(10, seed=8)
-    meta = gd.GdnMeta.build([0, 10], [1], [False])
+    meta = GdnMeta.build([0, 10], [1], [False])
     expected = hf.causal_conv1d_fn(mixed.t()[None], layer.weight, bias, "silu")[0].t()
     for run in (gd.causal_conv1d, gdt.causal_conv1d_triton):
         state = SHAPE.new_state(2)

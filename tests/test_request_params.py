@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.serving.codec import RequestError, parse_request
+from pagedllm.serving.inputs import Getter
 from pagedllm.serving.request_params import as_inputs
 
 

@@ -17,9 +17,10 @@ import pytest
 from pagedllm.config import EngineConfig
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.prepare import prepare_smollm2
-from pagedllm.serving.codec import DOWNSTREAM_CANCEL_CHECK, Getter, parse_request
+from pagedllm.serving.codec import DOWNSTREAM_CANCEL_CHECK, parse_request
 from pagedllm.serving.engine_model import EngineModel
 from pagedllm.serving.engine_stream import Stream, Tensors
+from pagedllm.serving.inputs import Getter
 from pagedllm.serving.text_models import DetokenizerModel, TokenizerModel
 from pagedllm.text.tokenizer import Tokenizer
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pagedllm.errors import ConfigError
 
-if TYPE_CHECKING:
-    from pagedllm.model_config import RopeConfig
+
+class ScaledRope(Protocol):
+    """What the softmax scale reads of a rope (model_config.RopeConfig has it)."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def factor(self) -> float: ...
+    @property
+    def mscale_all_dim(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class MlaConfig:
         """Values one layer caches per token: the normed latent, then the rotated key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def softmax_scale(self, rope: RopeConfig) -> float:
+    def softmax_scale(self, rope: ScaledRope) -> float:
         """qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared where the
         rope is scaled and the config gives `mscale_all_dim` (transformers'
         `yarn_apply_mscale`)."""

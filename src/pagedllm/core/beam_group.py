@@ -17,9 +17,10 @@ and output: prefix caching shares their common full blocks again) and admitted t
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedllm.beam_hf import Hypotheses, hf_num_candidates, hf_select
 from pagedllm.beam_search import (
@@ -30,13 +31,12 @@ from pagedllm.beam_search import (
     get_beam_search_score,
     select_candidates,
 )
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.step_io import SchedulerOutput
 from pagedllm.model_config import ModelConfig
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 
 TokenLogprobs = tuple[list[int], list[float], float, int]
 
@@ -259,8 +259,24 @@ class BeamGroups:
         return f"{group.group_id}#beam{next(group._ids)}"
 
 
+class GroupScheduler(Protocol):
+    """What `schedule_group` / `resume_group` use of the scheduler (core/scheduler.py's
+    `Scheduler`, which imports this module): its queues, its KV cache, its own steps."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    waiting: deque[Request]
+    running: list[Request]
+
+    def _preempt_newest(self, out: SchedulerOutput) -> list[Request]: ...
+
+    def _schedule(
+        self, out: SchedulerOutput, request: Request, num_new: int, draft: Sequence[int] = ()
+    ) -> None: ...
+
+
 def schedule_group(
-    sched: Scheduler, out: SchedulerOutput, beams: list[Request], budget: int
+    sched: GroupScheduler, out: SchedulerOutput, beams: list[Request], budget: int
 ) -> tuple[int, bool]:
     """A group's beams in turn; one that has proposed its candidates waits (0 tokens).
     Its blocks (copies included) are counted for all beams before any is allocated."""
@@ -279,7 +295,9 @@ def schedule_group(
     return budget, True
 
 
-def resume_group(sched: Scheduler, out: SchedulerOutput, beams: list[Request], budget: int) -> bool:
+def resume_group(
+    sched: GroupScheduler, out: SchedulerOutput, beams: list[Request], budget: int
+) -> bool:
     """Admit a preempted group's beams together, or none of them (`plan_resume`)."""
     ends = plan_resume(sched.kv, beams, budget, sched.config.enable_chunked_prefill)
     if ends is None:

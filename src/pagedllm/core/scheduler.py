@@ -13,15 +13,27 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.beam_group import BeamGroup, BeamGroups, resume_group, schedule_group
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.spec_decode import SpecDecoder
 from pagedllm.core.step_io import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pagedllm.request import Request, RequestStatus
 
 __all__ = ["RunnerOutput", "ScheduledRequest", "Scheduler", "SchedulerOutput", "TokenLogprobs"]
+
+
+class Drafter(Protocol):
+    """Speculative decoding as the scheduler drives it (core/spec_decode.py's `SpecDecoder`)."""
+
+    def draft(self, request: Request, budget: int, scheduler: Scheduler) -> list[int]: ...
+
+    def verified(
+        self, request: Request, num_drafted: int, num_accepted: int, kv: KVCacheManager
+    ) -> None: ...
+
+    def counters(self) -> tuple[int, int, int, tuple[int, ...]]: ...
 
 
 class Scheduler:
@@ -44,7 +56,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # finished since the engine last took them (for its metrics)
         self.just_finished: list[Request] = []
-        self.spec: SpecDecoder | None = None  # speculative decoding (set by the engine)
+        self.spec: Drafter | None = None  # speculative decoding (set by the engine)
 
     # --- requests in and out -------------------------------------------------------------
 

@@ -18,14 +18,11 @@ sequential over the prompt (a chunked Triton form is a later step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from pagedllm.layers.gated_delta import GdnMeta
+from pagedllm.layers.gdn_meta import GdnMeta
 
 CONV_BLOCK_T = 16  # tokens per conv tile; a decode step's tiles have one
 CONV_BLOCK_C = 64  # channels (128 took 130-140 registers: 12 warps per SM on sm_80)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.gated_delta import GdnMeta, GdnShape, GdnState
+from pagedllm.layers.gated_delta import GdnShape, GdnState
+from pagedllm.layers.gdn_meta import GdnMeta
 
 GDN_SHAPES = {
     # Qwen3.5-0.8B / 2B: 16 key and 16 value heads of 128

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from pagedllm.layers.gated_delta import (
-    GdnMeta,
     GdnState,
     causal_conv1d,
     gated_delta_rule,
     gated_rms_norm,
     gdn_gating,
 )
+from pagedllm.layers.gdn_meta import GdnMeta
 from pagedllm.layers.quant import Weight, linear
 
 if TYPE_CHECKING:

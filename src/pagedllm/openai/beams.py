@@ -2,7 +2,8 @@
 `beam_width` = `n` (and `length_penalty`), its last response's beams (best first) the choices.
 Triton's rule is vLLM's (docs/beam_search.md): `2 × n` candidates per beam, no early stop,
 `ignore_eos` honoured; the beams rank by the raw log-probs, so the sampling fields play no
-part. Without `logprobs`, stop strings or structured outputs (400s naming the field).
+part. Without `logprobs`, stop strings or structured outputs (400s naming the field:
+`protocol.check_beam_search`).
 
 Never streamed, as vLLM (`serving_completion`: `stream = request.stream and ... and not
 request.use_beam_search`): with `stream: true` the answer is the same JSON completion as
@@ -12,35 +13,11 @@ cannot carry, and beams reorder until the last step)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pagedllm.openai.errors import bad_request
+from pagedllm.openai.protocol import CompletionRequest, Prompt
 from pagedllm.openai.samples import Sample
 from pagedllm.openai.triton import Chunk, Generation
-
-if TYPE_CHECKING:
-    from pagedllm.openai.protocol import CompletionRequest, Prompt
-
-MAX_BEAM_WIDTH = 10  # the engine's (2 x width log-probs each, at most 20)
-
-
-def check_beam_search(body: Any) -> None:
-    """What vLLM's beam search takes on /v1/completions and ours does not: 400 naming it."""
-    if not 1 <= body.n <= MAX_BEAM_WIDTH:
-        raise bad_request(f"use_beam_search: n (the beam width) must be 1-{MAX_BEAM_WIDTH}", "n")
-    refused = {
-        "logprobs": body.logprobs is not None,
-        "stop": bool(body.stop),
-        "prompt_logprobs": body.prompt_logprobs is not None,
-        "logit_bias": bool(body.logit_bias),
-        "allowed_token_ids": body.allowed_token_ids is not None,
-        "min_tokens": bool(body.min_tokens),
-    }
-    if body.constraint is not None:
-        refused[body.constraint.param] = True
-    for param, sent in refused.items():
-        if sent:
-            raise bad_request(f"use_beam_search cannot be combined with {param}", param)
 
 
 def beam_requests(

@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedllm.openai.beams import check_beam_search
 from pagedllm.openai.chat_fields import ChatTemplateFields
 from pagedllm.openai.errors import bad_request
 from pagedllm.openai.router_fields import ChatRouterFields, RouterFields
@@ -146,6 +145,29 @@ class _SamplingRequest(StructuredRequest, RouterFields, VllmFields):
     def continuous_usage(self) -> bool:
         """The usage so far on every chunk (vLLM's `continuous_usage_stats`)."""
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+MAX_BEAM_WIDTH = 10  # the engine's (2 x width log-probs each, at most 20)
+
+
+def check_beam_search(body: CompletionRequest) -> None:
+    """What vLLM's beam search (`openai.beams`) takes on /v1/completions and ours does not:
+    400 naming it."""
+    if not 1 <= body.n <= MAX_BEAM_WIDTH:
+        raise bad_request(f"use_beam_search: n (the beam width) must be 1-{MAX_BEAM_WIDTH}", "n")
+    refused = {
+        "logprobs": body.logprobs is not None,
+        "stop": bool(body.stop),
+        "prompt_logprobs": body.prompt_logprobs is not None,
+        "logit_bias": bool(body.logit_bias),
+        "allowed_token_ids": body.allowed_token_ids is not None,
+        "min_tokens": bool(body.min_tokens),
+    }
+    if body.constraint is not None:
+        refused[body.constraint.param] = True
+    for param, sent in refused.items():
+        if sent:
+            raise bad_request(f"use_beam_search cannot be combined with {param}", param)
 
 
 class CompletionRequest(_SamplingRequest):

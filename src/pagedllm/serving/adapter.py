@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.serving.codec import Getter
+from pagedllm.serving.inputs import Getter
 
 
 def parameters(args: dict[str, Any]) -> dict[str, str]:

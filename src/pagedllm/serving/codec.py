@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving import request_params, structured
 from pagedllm.serving.beams import beam_params
 from pagedllm.serving.errors import RequestError
+from pagedllm.serving.inputs import Getter
 
 # scalar input tensor -> SamplingParams field
 SCALAR_INPUTS = {
@@ -109,7 +109,6 @@ ALL_INPUTS = (
     *structured.GUIDE_INPUTS,
 )
 
-Getter = Callable[[str], "np.ndarray | None"]
 # sequences per request (n, num_return_sequences)
 MAX_N = 64
 # beams per request (each asks for 2 x width log-probs: the engine's cap is 20)

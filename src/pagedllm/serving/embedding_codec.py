@@ -21,7 +21,8 @@ import numpy as np
 
 from pagedllm.convert import to_bool
 from pagedllm.pooling.params import PoolingParams
-from pagedllm.serving.codec import Getter, RequestError
+from pagedllm.serving.codec import RequestError
+from pagedllm.serving.inputs import Getter
 
 NOT_POOLING = (
     "this server runs the pooling runner (runner: pooling): it answers embedding requests only "

@@ -14,13 +14,14 @@ import numpy as np
 from pagedllm.config import EngineConfig
 from pagedllm.pooling.engine import EmbedRequest, PoolingEngine
 from pagedllm.pooling.params import PoolerConfig
-from pagedllm.serving.codec import Getter, RequestError
+from pagedllm.serving.codec import RequestError
 from pagedllm.serving.embedding_codec import (
     NOT_POOLING,
     embedding_response,
     parse_embedding_request,
 )
 from pagedllm.serving.engine_stream import Fail, Send
+from pagedllm.serving.inputs import Getter
 
 logger = logging.getLogger(__name__)
 

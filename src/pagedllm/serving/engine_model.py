@@ -35,9 +35,10 @@ from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving import lora_admin, request_params
 from pagedllm.serving.beams import beam_output
 from pagedllm.serving.cancel_polls import CancelPolls
-from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.serving.codec import RequestError, parse_request
 from pagedllm.serving.engine_stream import Fail, IsCancelled, Send, Stream
 from pagedllm.serving.errors import Code, error_code
+from pagedllm.serving.inputs import Getter
 from pagedllm.serving.lora import LoRANames
 from pagedllm.serving.lora_tasks import LoraTasks, Task
 from pagedllm.serving.settings import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_QUEUED_REQUESTS

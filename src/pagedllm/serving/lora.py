@@ -1,9 +1,10 @@
 """LoRA adapters on the Triton `llm_engine` model, as vllm_backend configures and names them
 (docs/lora.md): `enable_lora`, `max_loras`, `max_lora_rank` (and `max_cpu_loras`) among its
-settings; the adapters, a name -> PEFT folder map, from `lora_modules` (JSON, what
-`pagedllm serve --lora-modules` sets) and from a `multi_lora.json` beside the model's
-`model.py`; a request names its adapter with `lora_name` in `sampling_parameters` or in the
-request's parameters, and gets vllm_backend's errors for an unknown name or LoRA off."""
+settings (read by `settings.lora_config`); the adapters, a name -> PEFT folder map, from
+`lora_modules` (JSON, what `pagedllm serve --lora-modules` sets) and from a `multi_lora.json`
+beside the model's `model.py`; a request names its adapter with `lora_name` in
+`sampling_parameters` or in the request's parameters, and gets vllm_backend's errors for an
+unknown name or LoRA off."""
 
 from __future__ import annotations
 
@@ -13,24 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pagedllm.convert import to_bool
-from pagedllm.lora.request import LoRAConfig, LoRARequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.serving.codec import RequestError
-from pagedllm.serving.settings import int_setting, setting
+from pagedllm.serving.settings import setting
 
 MULTI_LORA_FILE = "multi_lora.json"
-
-
-def lora_config(parameters: dict[str, str]) -> LoRAConfig | None:
-    """The engine's LoRA settings; None unless `enable_lora` is true."""
-    if not to_bool("enable_lora", setting(parameters, "enable_lora", "false")):
-        return None
-    max_cpu = int_setting(parameters, "max_cpu_loras", 0)  # 0: max_loras
-    return LoRAConfig(
-        max_loras=int_setting(parameters, "max_loras", 1, minimum=1),
-        max_lora_rank=int_setting(parameters, "max_lora_rank", 16, minimum=1),
-        max_cpu_loras=max_cpu or None,
-    )
 
 
 def _name_map(text: str, source: str) -> dict[str, str]:

@@ -18,8 +18,8 @@ from pagedllm.lora.adapter import LoRAError
 from pagedllm.lora.request import TASK_INPUTS, LoRARequest
 from pagedllm.lora.slots import LoraSlots
 from pagedllm.lora.trtllm import adapter_from_rows
-from pagedllm.serving.codec import Getter
 from pagedllm.serving.errors import RequestError
+from pagedllm.serving.inputs import Getter
 
 
 def not_cached(task_id: int) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -28,9 +28,7 @@ from pagedllm.convert import to_bool
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serving import structured
 from pagedllm.serving.errors import RequestError
-
-if TYPE_CHECKING:
-    from pagedllm.serving.codec import Getter
+from pagedllm.serving.inputs import Getter
 
 # the keys that are not sampling parameters, and what they mean
 OWN = {

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.convert import to_bool
 from pagedllm.device import check_device
+from pagedllm.lora.request import LoRAConfig
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -125,11 +126,22 @@ def set_visible_gpus(gpus: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus
 
 
+def lora_config(parameters: dict[str, str]) -> LoRAConfig | None:
+    """The engine's LoRA settings; None unless `enable_lora` is true."""
+    if not to_bool("enable_lora", setting(parameters, "enable_lora", "false")):
+        return None
+    max_cpu = int_setting(parameters, "max_cpu_loras", 0)  # 0: max_loras
+    return LoRAConfig(
+        max_loras=int_setting(parameters, "max_loras", 1, minimum=1),
+        max_lora_rank=int_setting(parameters, "max_lora_rank", 16, minimum=1),
+        max_cpu_loras=max_cpu or None,
+    )
+
+
 def engine_config(parameters: dict[str, str], device: str | None = None) -> EngineConfig:
     """The engine's settings; `device` (default: `instance_device` of a KIND_CPU instance) is
     resolved by EngineConfig.create."""
     from pagedllm.config import EngineConfig  # torch: the engine's model alone imports it
-    from pagedllm.serving.lora import lora_config
 
     device = instance_device(parameters) if device is None else device
 
@@ -154,5 +166,5 @@ def engine_config(parameters: dict[str, str], device: str | None = None) -> Engi
         tensor_parallel_size=tensor_parallel_size(parameters),
         stream_interval=int_setting(parameters, "stream_interval", 1, minimum=1),
         speculative_config=get("speculative_config", ""),  # JSON; "" or "{}": none
-        lora=lora_config(parameters),  # enable_lora, max_loras, max_lora_rank (serving.lora)
+        lora=lora_config(parameters),  # enable_lora, max_loras, max_lora_rank (docs/lora.md)
     )

@@ -12,11 +12,11 @@ from pagedllm.serving.cancel_polls import CancelPolls
 from pagedllm.serving.codec import (
     DOWNSTREAM_CANCEL_CHECK,
     Extra,
-    Getter,
     RequestError,
     prompt_ids,
 )
 from pagedllm.serving.engine_stream import META, Tensors
+from pagedllm.serving.inputs import Getter
 from pagedllm.serving.settings import DEFAULT_MAX_PROMPT_BYTES
 from pagedllm.serving.vllm_outputs import vllm_outputs
 from pagedllm.text.detokenizer import window_text

@@ -21,8 +21,9 @@ import numpy as np
 
 from pagedllm.lora.request import TASK_INPUTS
 from pagedllm.serving import structured
-from pagedllm.serving.codec import Getter, RequestError, parse_request
+from pagedllm.serving.codec import RequestError, parse_request
 from pagedllm.serving.engine_stream import Tensors
+from pagedllm.serving.inputs import Getter
 from pagedllm.serving.text_models import OPTIONAL, DetokenizerModel, TokenizerModel
 from pagedllm.text.tokenizer import Tokenizer
 

@@ -28,9 +28,10 @@ from collections.abc import Callable
 import numpy as np
 
 from pagedllm.serving import structured
-from pagedllm.serving.codec import Getter, RequestError
+from pagedllm.serving.codec import RequestError
 from pagedllm.serving.engine_stream import Tensors
 from pagedllm.serving.errors import error_code
+from pagedllm.serving.inputs import Getter
 from pagedllm.serving.text_models import DetokenizerModel, TokenizerModel
 from pagedllm.serving.trtllm import Engine, run_engine, scalar, words
 from pagedllm.text.tokenizer import Tokenizer
