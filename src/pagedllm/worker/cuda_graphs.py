@@ -289,7 +289,7 @@ def create_graph_runner(runner: Runner) -> CudaGraphRunner | None:
     if config.model.hybrid is not None and not runner.states:
         return None
     from pagedllm.layers.attention.triton_launch import num_decode_splits
-    from pagedllm.layers.gated_delta import GdnMeta
+    from pagedllm.layers.gdn_meta import GdnMeta
     from pagedllm.model.decoder import ForwardContext
     from pagedllm.model.gdn_block import GdnStep
 
