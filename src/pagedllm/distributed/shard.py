@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedllm.config import ConfigError, ModelConfig
+from pagedllm.errors import ConfigError
+from pagedllm.model_config import ModelConfig
 
 # the inputs of one block of a GGUF file's quantized weights (Q8_0 / Q4_0 / Q4_1)
 BLOCK = 32
