@@ -11,15 +11,16 @@ prefill is left out) of three engines — without speculation (`plain`), with n-
 speculation drafting at every batch size (`ngram`: `max_batch_size` 1024, so its cost is
 measured where the default backs off) and with the default back-off (`auto`); the speed-ups
 over `plain`, whether the greedy outputs were the same, and the drafts' acceptance per
-position. Batch 1 runs the task's prompts one at a time; batch B runs B at once (the task's
-prompts repeated). The engines are built once and take turns within each (batch, task), over
+position. Batch 1 runs the task's prompts one at a time; batch B runs them B at once,
+repeated until every prompt has run equally often (lcm(B, prompts) requests: each batch size
+measures the same prompts, so a speed-up at one batch compares with another's). The engines are built once and take turns within each (batch, task), over
 `--rounds` rounds, group by group in rotating order, so that a drifting machine hits them
 alike (on a loaded machine add `--threads 1`: threads that wait for each other stall a step).
 
 `crossover`: per task, the largest measured batch up to which `ngram` pays (speed-up >= 1 at
 it and every smaller one) and the next measured batch (where it stopped paying); the default
-`max_batch_size` (`pagedllm.spec_config`) is set from it. `--quick`: batches 1, 8 and 32, 32
-new tokens, one round (under 3 minutes on a quiet 2-vCPU machine).
+`max_batch_size` (`pagedllm.spec_config`) is set from it. `--quick`: batches 1, 8 and 32 (or
+`--batches`), 32 new tokens, one round (under 3 minutes on a quiet 2-vCPU machine).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -163,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="batches 1,8,32, 32 tokens, 1 round")
     ap.add_argument("--quantization", default="none", help="none (fp32) or gguf (Q4_1)")
-    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--batches", default=None, help="default 1,2,4,8,16,32 (--quick: 1,8,32)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -175,7 +177,8 @@ def main() -> None:
     if args.threads:  # e.g. 1 on a loaded machine, where waiting threads stall each step
         torch.set_num_threads(args.threads)
     if args.quick:
-        args.batches, args.max_tokens, args.rounds = "1,8,32", 32, 1
+        args.max_tokens, args.rounds = 32, 1
+    args.batches = args.batches or ("1,8,32" if args.quick else "1,2,4,8,16,32")
     model = str(prepare_smollm2())
     ngram = {
         "method": "ngram",
@@ -202,7 +205,7 @@ def main() -> None:
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for kind, prompts in tasks.items():
-            todo = prompts if batch == 1 else (prompts * -(-batch // len(prompts)))[:batch]
+            todo = prompts * (math.lcm(batch, len(prompts)) // len(prompts))
             entry = {
                 "task": kind,
                 "batch": batch,

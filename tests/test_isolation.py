@@ -60,10 +60,7 @@ def aborted(server: TritonServer) -> float:
 
 
 def wait_running(server: TritonServer, n: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while server_metrics.metrics(server.metrics_url).get("vllm:num_requests_running") != n:
-        assert time.monotonic() < deadline, f"{n} requests never ran"
-        time.sleep(0.05)
+    server_metrics.wait_running(server.metrics_url, n, timeout)
 
 
 def idle_within(server: TritonServer, seconds: float) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -252,52 +253,59 @@ def test_16_concurrent_streams_interleave_and_match_solo_outputs(
     assert wait_idle(server, timeout=5) < 5
 
 
+# Cancelled requests run on the slow checkpoint (conftest): a cancel is seen at the next poll
+# (every 0.2 s), and the tiny model's 480 tokens (~0.5 s) could end by length before it under
+# load (abort + 0); these run for seconds.
+SLOW_LEN = 2000
+
+
 def test_cancelling_a_stream_frees_its_blocks_within_a_second(
-    server: TritonServer, offline: str
+    slow_shared_server: TritonServer, slow_checkpoint: Path
 ) -> None:
+    server = slow_shared_server
     aborted = metrics(server).get("vllm:request_success_total{finished_reason=abort}", 0)
     stream = GrpcStream(
         server,
-        {"text_input": PROMPT, "max_tokens": 480, "temperature": 0.0, "ignore_eos": True},
+        {"text_input": PROMPT, "max_tokens": SLOW_LEN, "temperature": 0.0, "ignore_eos": True},
     )
     while len(stream.responses) < 5:
         time.sleep(0.005)
     # the gauges are published on their own thread: they may trail the responses a little
-    deadline = time.monotonic() + 1.0
-    while metrics(server)["vllm:kv_cache_usage_perc"] == 0:
-        assert time.monotonic() < deadline, "the running request holds no KV block"
-        time.sleep(0.01)
+    server_metrics.wait_running(server.metrics_url, 1, timeout=10)
     stream.cancel()
     assert wait_idle(server, timeout=1.0) < 1.0
     m = metrics(server)
     assert m.get("vllm:request_success_total{finished_reason=abort}") == aborted + 1, m
-    assert len(stream.responses) < 480
+    assert len(stream.responses) < SLOW_LEN
     assert "cancelled by its client" in server.log_path.read_text()  # logged, as vllm_backend
     # the server is healthy and serves the next request exactly
     status, text = post(
         f"{server.http_url}/v2/models/ensemble/generate", body(exclude_input_in_output=True)
     )
+    offline = offline_text(LLM(str(slow_checkpoint), dtype="float32"))
     assert status == 200 and json.loads(text)["text_output"] == offline
 
 
 def test_cancelling_a_direct_llm_engine_stream_frees_its_blocks_within_a_second(
-    server: TritonServer,
+    slow_shared_server: TritonServer,
 ) -> None:
     """A client of the decoupled llm_engine itself (no ensemble): its cancel is seen through
     the response sender, asked at most every 0.2 s per request."""
+    server = slow_shared_server
     aborted = metrics(server).get("vllm:request_success_total{finished_reason=abort}", 0)
     stream = GrpcStream(
         server,
-        {"text_input": PROMPT, "max_tokens": 480, "temperature": 0.0, "ignore_eos": True},
+        {"text_input": PROMPT, "max_tokens": SLOW_LEN, "temperature": 0.0, "ignore_eos": True},
         model="llm_engine",
     )
     while stream.received < 20:
         time.sleep(0.005)
+    server_metrics.wait_running(server.metrics_url, 1, timeout=10)  # the gauges trail
     stream.cancel()
     assert wait_idle(server, timeout=1.0) < 1.0
     m = metrics(server)
     assert m.get("vllm:request_success_total{finished_reason=abort}") == aborted + 1, m
-    assert stream.received < 480
+    assert stream.received < SLOW_LEN
 
 
 BAD_REQUESTS = [
