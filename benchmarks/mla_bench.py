@@ -8,7 +8,8 @@ expanded per head by kv_b_proj, then ordinary attention), printing JSON.
 One layer's decode step for (batch x context) at DeepSeek's per-head sizes (kv_lora_rank 512,
 qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128); 16 heads is DeepSeek-V2-Lite's, and
 a DeepSeek-V3 rank's at tensor-parallel 8. Medians of `--repeats`, 2 threads. Also the KV-cache
-bytes per token of DeepSeek-V3 (61 layers, bf16): the latent rows against per-head K/V.
+bytes per token of DeepSeek-V3 (61 layers, 128 heads, bf16) as the engine reports them
+(`config.kv_bytes_per_token`: the latent rows) against per-head K/V.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gemv_bench import median_ms  # benchmarks/ is the script's directory
 from pagedllm.mla_config import MlaConfig
 from pagedllm.model.mla import MlaWeights, attend_expanded, decode_absorbed
 
+ARCH = "DeepseekV3ForCausalLM"
 V3 = MlaConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
@@ -85,8 +87,17 @@ def main() -> None:
     for spec in args.configs.split(","):
         batch, context = (int(v) for v in spec.split("x"))
         results.append(run(batch, context, args.heads, dtype, args.repeats))
-    layers, heads = 61, 128  # DeepSeek-V3, bf16
-    per_head = layers * heads * (V3.qk_head_dim + V3.v_head_dim) * 2
+    # DeepSeek-V3 itself (transformers' DeepseekV3Config defaults: 61 layers, 128 heads) in
+    # bf16: the engine's own bytes per token (config.kv_bytes_per_token) against per-head K/V
+    from transformers import DeepseekV3Config
+
+    from pagedllm.config import kv_bytes_per_token
+    from pagedllm.model_config import ModelConfig
+
+    v3 = ModelConfig.from_hf({**DeepseekV3Config().to_dict(), "architectures": [ARCH]})
+    assert v3.mla is not None
+    latent = kv_bytes_per_token(v3, "auto", torch.bfloat16)
+    per_head = v3.num_layers * v3.num_heads * (v3.mla.qk_head_dim + v3.mla.v_head_dim) * 2
     report = dict(
         shape=dict(
             heads=args.heads,
@@ -99,7 +110,7 @@ def main() -> None:
         threads=torch.get_num_threads(),
         load_average=os.getloadavg()[0],
         results=results,
-        deepseek_v3_kv_bytes_per_token=dict(latent=layers * V3.cache_dim * 2, per_head_kv=per_head),
+        deepseek_v3_kv_bytes_per_token=dict(latent=latent, per_head_kv=per_head),
     )
     text = json.dumps(report, indent=2)
     print(text)

@@ -111,6 +111,15 @@ class SchedulerConfig:
             )
 
 
+def kv_bytes_per_token(model: ModelConfig, kind: str, dtype: torch.dtype, world: int = 1) -> int:
+    """The KV cache's bytes per token on a rank (scales included): what the engine reports as
+    `kv_bytes_per_token` (MLA: the latent and rotated key; a hybrid's linear layers: none)."""
+    values = model.kv_values_per_token(world)
+    return model.num_kv_layers * kv_cache_dtype.bytes_per_token_layer(
+        kind, dtype, values, model.head_dim
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -152,12 +161,11 @@ class EngineConfig:
     def kv_cache_report(self) -> kv_cache_dtype.KVCacheReport:
         """The KV cache's element type, bytes per token (scales included) and token capacity,
         as `EngineStats` names them."""
-        model, kind = self.model, self.cache.cache_dtype
-        values = model.kv_values_per_token(self.tensor_parallel_size)
-        per_layer = kv_cache_dtype.bytes_per_token_layer(kind, self.dtype, values, model.head_dim)
+        kind = self.cache.cache_dtype
+        per_token = kv_bytes_per_token(self.model, kind, self.dtype, self.tensor_parallel_size)
         return kv_cache_dtype.KVCacheReport(
             kv_cache_dtype=kv_cache_dtype.dtype_name(kind, self.dtype),
-            kv_bytes_per_token=model.num_kv_layers * per_layer,
+            kv_bytes_per_token=per_token,
             kv_token_capacity=(self.cache.num_kv_blocks or 0) * self.cache.block_size,
         )
 
