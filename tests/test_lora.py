@@ -15,6 +15,7 @@ import pytest
 import torch
 from lora_adapters import ADAPTERS, chosen_logprobs, peft_model, save_adapter
 from test_decode_layers import _generate as one_call_generate
+from test_spec_decode import NGRAM, copy_prompts
 
 from conftest import TINY, hf_greedy, make_checkpoint, random_prompts
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -111,6 +112,23 @@ def test_chunked_prefill_and_preemption(base: Path, adapters: dict, oracles: dic
     got = [o.outputs[0].token_ids for o in generate(llm, prompts, loras)]
     assert llm.engine.stats().num_preemptions > 0
     assert got == expected(oracles, prompts, names)
+
+
+def test_speculative_decoding_with_adapters(base: Path, adapters: dict, oracles: dict) -> None:
+    """n-gram speculation on a mixed batch of adapters: every verified row runs its request's
+    adapter, so each request's tokens are still its PeftModel's greedy ones."""
+    names, loras = mixed(adapters, 8)
+    prompts = copy_prompts(8, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = dict(NGRAM, max_batch_size=8)  # drafting at this batch size too
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, speculative_config=spec)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+    )
+    llm.engine.check_integrity()
+    assert [o.outputs[0].token_ids for o in outs] == expected(oracles, prompts, names, 24)
+    assert llm.engine.scheduler.spec is not None
+    assert llm.engine.scheduler.spec.num_accepted_tokens > 10  # drafts were verified and kept
 
 
 def test_prefix_cache_keyed_by_adapter(base: Path, adapters: dict, oracles: dict) -> None:
