@@ -20,25 +20,25 @@ folded into o_proj and down_proj.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.attention import AttentionBackend, cpu_kernels
+from pagedllm.layers.attention import cpu_kernels
 from pagedllm.layers.attention.base import AttnLayer, DecodeBatch, split_qkv
 from pagedllm.layers.quant import QuantizedWeight, Weight, embedding, linear
 from pagedllm.model import decoder_kernel
 from pagedllm.model.decoder_ops import act_and_mul, join, row_parallel
-from pagedllm.model.gdn_block import GdnAttention, GdnStep, GdnWeights, gdn_forward, gdn_weights
-from pagedllm.model.mla import MlaAttention, MlaWeights, mla_forward, mla_weights
-from pagedllm.model.moe_block import MoeBlock, MoeWeights, moe_forward, moe_weights
+from pagedllm.model.decoder_types import ForwardContext, LayerWeights
+from pagedllm.model.gdn_block import GdnAttention, gdn_forward, gdn_weights
+from pagedllm.model.mla import MlaAttention, mla_forward, mla_weights
+from pagedllm.model.moe_block import MoeBlock, moe_forward, moe_weights
 
 if TYPE_CHECKING:
     from pagedllm.distributed.comm import TPGroup
     from pagedllm.distributed.shard import ShardPlan
-    from pagedllm.lora.ops import LoraStep
 
 
 class RMSNorm(nn.Module):
@@ -101,41 +101,6 @@ class DecoderLayer(nn.Module):
     def norm(self, name: str) -> torch.Tensor | None:
         module = getattr(self, name, None)
         return None if module is None else module.weight
-
-
-class LayerWeights(NamedTuple):
-    ln1: torch.Tensor | None  # before attention
-    qkv_w: Weight | None  # None: latent attention (mla)
-    qkv_b: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_w: Weight
-    o_b: torch.Tensor | None
-    post1: torch.Tensor | None  # after attention
-    ln2: torch.Tensor | None  # before the MLP
-    gate_up_w: Weight | None  # the dense MLP's (None: experts instead)
-    gate_up_b: torch.Tensor | None
-    down_w: Weight | None
-    down_b: torch.Tensor | None
-    post2: torch.Tensor | None  # after the MLP
-    attn: AttnLayer  # scale, window, soft-cap, sinks
-    rope: int | None  # index of its rotation in ForwardContext.rotary; None: NoPE
-    moe: MoeWeights | None = None  # a mixture of experts in place of the MLP
-    mla: MlaWeights | None = None  # multi-head latent attention in place of q/k/v
-    gdn: GdnWeights | None = None  # Gated-DeltaNet linear attention in place of attention
-
-
-class ForwardContext(NamedTuple):
-    """Everything a step's layers share: the rotation of each token by each of the model's
-    ropes (complex, (N, 1, head_dim/2) each), the KV caches, the attention backend and its
-    per-step metadata; the step's LoRA deltas (lora/ops.py; None: no adapter in the step)."""
-
-    rotary: tuple[torch.Tensor, ...]
-    kv_caches: list[torch.Tensor]
-    backend: AttentionBackend
-    attn_metadata: Any
-    lora: LoraStep | None = None
-    gdn: GdnStep | None = None  # a hybrid model's linear-attention states (model/gdn_block.py)
 
 
 class CausalLM(nn.Module):

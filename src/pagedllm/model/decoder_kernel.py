@@ -5,7 +5,7 @@ attention (csrc/mla_decode.cpp) and grouped sigmoid router; a step's LoRA adapte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -15,11 +15,12 @@ from pagedllm.layers.attention.torch_ref import TorchAttentionMetadata
 from pagedllm.layers.moe import Experts
 from pagedllm.layers.moe_cpu import fused_experts_cpu, max_kernel_rows
 from pagedllm.layers.quant import QuantizedWeight, Weight, kernel_rows
+from pagedllm.model_config import ModelConfig
 from pagedllm.moe_config import MoeConfig
 
 if TYPE_CHECKING:
     from pagedllm.lora.ops import LoraStep
-    from pagedllm.model.decoder import CausalLM, ForwardContext, LayerWeights
+    from pagedllm.model.decoder_types import ForwardContext, LayerWeights
     from pagedllm.model.mla import MlaWeights
     from pagedllm.model.moe_block import MoeWeights
 
@@ -28,7 +29,16 @@ ROUTERS = ("softmax", "topk_softmax", "sigmoid_grouped")
 MOE_SLOTS, MLA_SLOTS = 25, 16  # csrc/decoder.cpp's kRouter..kScoreBias, mla_decode.cpp's
 
 
-def flatten(model: CausalLM) -> tuple[list[torch.Tensor], float]:
+class Model(Protocol):
+    """What `flatten` reads of model/decoder.py's CausalLM."""
+
+    config: ModelConfig
+    norm: Any  # its final RMSNorm (`.weight`)
+    tp: Any  # its tensor-parallel group, None alone
+    layer_weights: list[LayerWeights]
+
+
+def flatten(model: Model) -> tuple[list[torch.Tensor], float]:
     """The layers' weights flattened for `decode_layers`, and the most decodes it runs (the
     linear kernels' and the experts' row limits); ([], 0) where it cannot run: tensor
     parallelism, not the CPU, no extension, attention, routing or weights the kernels refuse."""
