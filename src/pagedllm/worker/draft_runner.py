@@ -25,18 +25,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, check_quantization
 from pagedllm.core.scheduler import RunnerOutput, ScheduledRequest
 from pagedllm.layers.sampler import SampleRequest, SamplingMetadata
-from pagedllm.worker.executor import ShardExecutor, copy_blocks
+from pagedllm.worker.executor import ShardExecutor, StepPlan, copy_blocks
 from pagedllm.worker.rejection import Draft, draw, sampling_probs, step_generator, uniforms
 
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+
+class TargetRunner(Protocol):
+    """What the draft reads of the target's runner (worker/model_runner.py `ModelRunner`)."""
+
+    def plan(self, batch: list[ScheduledRequest]) -> StepPlan: ...
+
+    def sample_row(
+        self, s: ScheduledRequest, outputs: list[int], generator: torch.Generator | None
+    ) -> SampleRequest: ...
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
@@ -67,7 +74,7 @@ class DraftRunner:
     """The draft model (on rank 0: it is not split over tensor-parallel ranks) and how far
     each request's draft KV is right."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: EngineConfig, runner: TargetRunner) -> None:
         self.executor = ShardExecutor(draft_engine_config(config))
         self.runner = runner  # plans steps (same block size) and builds sampling rows
         self.computed: dict[str, int] = {}
