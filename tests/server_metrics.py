@@ -4,6 +4,7 @@ that requests (finished, failed or cancelled) leave no KV block behind."""
 from __future__ import annotations
 
 import time
+import urllib.error
 
 from pagedllm.serving.metrics import scrape as metrics
 
@@ -34,6 +35,19 @@ def wait_running(metrics_url: str, n: int, timeout: float) -> None:
     responses: a test that cancels a request and then waits for idle gauges must first see
     them busy, or it may read the idle ones of before the request (nothing counted yet)."""
     deadline = time.monotonic() + timeout
-    while (m := metrics(metrics_url)).get("vllm:num_requests_running") != n:
+    while (m := _metrics_once_up(metrics_url, deadline)).get("vllm:num_requests_running") != n:
         assert time.monotonic() < deadline, (f"{n} requests never ran", m)
         time.sleep(0.02)
+
+
+def _metrics_once_up(metrics_url: str, deadline: float) -> dict[str, float]:
+    """The metrics; a refused connection is retried until `deadline`: tritonserver reports
+    ready on its HTTP port before its metrics port listens (seen in CI: ready, a request
+    streaming, and the metrics port still refusing)."""
+    while True:
+        try:
+            return metrics(metrics_url)
+        except urllib.error.URLError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
