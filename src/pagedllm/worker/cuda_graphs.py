@@ -81,7 +81,7 @@ class DecodeBuffers:
     state_slots: torch.Tensor  # (S,) int32
     state_init: torch.Tensor  # (S,) int32
     query_start_loc: torch.Tensor  # (S + 1,) int32
-    # LoRA: each row's adapter slot in the pool (lora/graph.py), -1: the base model (padding)
+    # LoRA: each row's adapter slot in the pool (lora/slots.py `graph_step`), -1: none (padding)
     lora_slots: torch.Tensor
     pad_slot: int = 0
 
